@@ -1,0 +1,1 @@
+"""LowBit's quantization core: formats, policies, checkpoint IO and conversion. Never imports ComfyUI."""

@@ -1,0 +1,1 @@
+"""One file per format. Importing this package registers LowBit's own layouts with comfy-kitchen."""

@@ -1,0 +1,190 @@
+"""What every LowBit format file provides: a :class:`FormatSpec` and a :class:`FormatCodec`.
+
+A *format* is what a user picks (``int8_convrot``, ``fp8_rowwise``, ...). Its codec turns a float
+weight into a comfy-kitchen ``QuantizedTensor`` (of a kitchen layout, or of one of our own
+layouts registered with kitchen), runs the linear for it, and reads/writes the native checkpoint
+form: the per-layer ``<layer>.comfy_quant`` JSON plus the layout's tensors, keyed exactly as
+ComfyUI keys them (``weight``, ``weight_scale``, ...).
+
+Nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from comfy_kitchen.tensor import QuantizedTensor, dequantize_args, register_layout_op
+
+from ..errors import CheckpointFormatError
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """Static facts about one format (the registry's row)."""
+
+    name: str
+    description: str
+    layout: str  # comfy-kitchen layout registry name of the weight tensor
+    weight_bits: int
+    activation: str  # how activations are quantized at run time
+    native_format: str  # the ``format`` written into ``comfy_quant``
+    stock_loadable: bool  # stock ComfyUI (>= 0.30) loads files of this format by itself
+    in_features_multiple: int = 1  # K must be a multiple of this
+    out_features_multiple: int = 1  # N must be a multiple of this
+    fallback: str | None = None  # format used for a layer whose shape this one cannot take
+    min_sm: tuple[int, int] | None = None  # GPU capability for fast kernels (None: any)
+    min_kitchen: str = "0.2.27"
+
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a weight of ``shape`` cannot use this format, or ``None`` when it can."""
+        if len(shape) != 2:
+            return f"{self.name} quantizes 2-D linear weights, got shape {tuple(shape)}"
+        n, k = shape
+        if k % self.in_features_multiple:
+            return f"{self.name} needs in_features divisible by {self.in_features_multiple}, got {k}"
+        if n % self.out_features_multiple:
+            return f"{self.name} needs out_features divisible by {self.out_features_multiple}, got {n}"
+        return None
+
+
+class FormatCodec:
+    """Quantize, run and (de)serialize one format. Subclasses set ``spec`` and override hooks."""
+
+    spec: FormatSpec
+    #: checkpoint suffixes this format stores next to ``weight`` (``weight_scale``, ...)
+    tensor_keys: tuple[str, ...] = ("weight", "weight_scale")
+
+    # ---- quantization -------------------------------------------------------------------
+    def quantize(self, weight: torch.Tensor, *, compute_dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> QuantizedTensor:
+        """Quantize a float ``[out, in]`` weight. ``seed > 0`` asks for stochastic rounding."""
+        problem = self.spec.shape_problem(tuple(weight.shape))
+        if problem:
+            raise ValueError(problem)
+        qdata, params = self._quantize(weight.float(), seed=seed)
+        params = dataclasses.replace(params, orig_dtype=compute_dtype, orig_shape=tuple(weight.shape))
+        return QuantizedTensor(qdata, self.spec.layout, params)
+
+    def _quantize(self, weight: torch.Tensor, *, seed: int) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    # ---- run time -----------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias`` with this format's activation quantization."""
+        return torch.nn.functional.linear(x, weight, bias)
+
+    # ---- checkpoint form ----------------------------------------------------------------
+    def comfy_quant(self, qt: QuantizedTensor) -> dict:
+        """The per-layer ``comfy_quant`` JSON object for ``qt``."""
+        return {"format": self.spec.native_format}
+
+    def state_dict(self, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+        """Tensors to store, keyed relative to the layer prefix (``weight``, ``weight_scale``...)."""
+        return qt.state_dict("weight")
+
+    def matches(self, conf: Mapping) -> bool:
+        """Whether a ``comfy_quant`` object describes this format."""
+        return conf.get("format") == self.spec.native_format
+
+    def from_state_dict(self, layer: str, tensors: Mapping[str, torch.Tensor], conf: Mapping,
+                        compute_dtype: torch.dtype = torch.bfloat16) -> QuantizedTensor:
+        """Rebuild the quantized weight of ``layer`` from its stored tensors and JSON."""
+        raise NotImplementedError
+
+
+# ---- helpers shared by the format files ---------------------------------------------------
+
+def conf_value(conf: Mapping, key: str, default):
+    """A ``comfy_quant`` option, read at top level or under ``params`` as ComfyUI does."""
+    params = conf.get("params")
+    if not isinstance(params, Mapping):
+        params = {}
+    return conf.get(key, params.get(key, default))
+
+
+def require(layer: str, tensors: Mapping[str, torch.Tensor], key: str, fmt: str) -> torch.Tensor:
+    value = tensors.get(key)
+    if value is None:
+        raise CheckpointFormatError(
+            f"layer {layer!r} is marked {fmt} but has no {key!r} tensor; the file is incomplete or "
+            f"was written by a different tool. Re-export it, or load it as float."
+        )
+    return value
+
+
+def check_matrix(layer: str, tensor: torch.Tensor, fmt: str, dtypes: tuple[torch.dtype, ...],
+                 key: str = "weight") -> None:
+    """A stored 2-D tensor of one of ``dtypes``, or a :class:`CheckpointFormatError` saying otherwise."""
+    if tensor.dim() != 2 or tensor.dtype not in dtypes:
+        expected = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise CheckpointFormatError(
+            f"layer {layer!r} ({fmt}): {key!r} must be a 2-D {expected} tensor, "
+            f"found {str(tensor.dtype).replace('torch.', '')} of shape {tuple(tensor.shape)}"
+        )
+
+
+def check_numel(layer: str, tensor: torch.Tensor, fmt: str, key: str, allowed: tuple[int, ...]) -> None:
+    if tensor.numel() not in allowed:
+        raise CheckpointFormatError(
+            f"layer {layer!r} ({fmt}): {key!r} has {tensor.numel()} values, expected "
+            + " or ".join(str(a) for a in allowed)
+        )
+
+
+def register_linear_family(layout_cls: type, layout_name: str,
+                           linear_fn: Callable[[torch.Tensor, QuantizedTensor, torch.Tensor | None], torch.Tensor]) -> None:
+    """Register ``t``/``linear``/``mm``/``addmm`` for one of our weight layouts.
+
+    ``linear_fn(x, w, bias)`` computes ``x @ w.T + bias`` for an untransposed weight ``w``.
+    ``mm(x, w.t())`` and ``addmm(b, x, w.t())`` (how ``F.linear`` decomposes) reuse it; any other
+    use of the weight falls back to dequantization.
+    """
+
+    @register_layout_op(torch.ops.aten.t.default, layout_cls)
+    def _t(qt, args, kwargs):
+        tensor = args[0]
+        old = tensor._params
+        params = dataclasses.replace(old, orig_shape=(old.orig_shape[1], old.orig_shape[0]),
+                                     transposed=not old.transposed)
+        return QuantizedTensor(tensor._qdata, layout_name, params)
+
+    def _is_weight(w) -> bool:
+        return isinstance(w, QuantizedTensor) and w._layout_cls == layout_name
+
+    @register_layout_op(torch.ops.aten.linear.default, layout_cls)
+    def _linear(qt, args, kwargs):
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if isinstance(x, QuantizedTensor) or not _is_weight(w) or w._params.transposed:
+            return torch.nn.functional.linear(*dequantize_args((x, w, bias)))
+        return linear_fn(x, w, bias)
+
+    @register_layout_op(torch.ops.aten.mm.default, layout_cls)
+    def _mm(qt, args, kwargs):
+        x, w = args[0], args[1]
+        if isinstance(x, QuantizedTensor) or not _is_weight(w) or not w._params.transposed:
+            return torch.mm(*dequantize_args((x, w)))
+        return linear_fn(x, _untransposed(w, layout_name), None)
+
+    @register_layout_op(torch.ops.aten.addmm.default, layout_cls)
+    def _addmm(qt, args, kwargs):
+        bias, x, w = args[0], args[1], args[2]
+        plain = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+        if (isinstance(x, QuantizedTensor) or not _is_weight(w) or not w._params.transposed or not plain
+                or (isinstance(bias, torch.Tensor) and bias.dim() != 1)):
+            return torch.addmm(*dequantize_args(args), **dequantize_args(kwargs))
+        return linear_fn(x, _untransposed(w, layout_name), bias)
+
+
+def _untransposed(w: QuantizedTensor, layout_name: str) -> QuantizedTensor:
+    p = w._params
+    params = dataclasses.replace(p, orig_shape=(p.orig_shape[1], p.orig_shape[0]), transposed=False)
+    return QuantizedTensor(w._qdata, layout_name, params)
+
+
+def flatten_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``[..., K]`` → ``[M, K]`` plus the leading shape to restore."""
+    return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])

@@ -1,0 +1,62 @@
+"""``fp8``: comfy-kitchen's native per-tensor FP8 (e4m3) layout, W8A8.
+
+The weight is e4m3 with one fp32 scale; the activation is quantized per tensor at run time (to the
+stored ``input_scale`` when the file has one, else to its own abs-max), and the product runs on
+FP8 tensor cores (``_scaled_mm``) where the GPU has them.
+Native ``comfy_quant``: ``{"format": "float8_e4m3fn"}``; tensors ``weight`` (float8_e4m3fn
+``[N, K]``), ``weight_scale`` (fp32 scalar), optional ``input_scale``. Stock ComfyUI loads and runs it.
+
+Note: stock ComfyUI quantizes activations with a unit scale when a layer has no ``input_scale``;
+LowBit uses the activation's abs-max instead (no clipping above 448), so the two can differ in the
+last bits on such files.
+"""
+
+from __future__ import annotations
+
+import torch
+from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout
+
+from .base import FormatCodec, FormatSpec, check_matrix, check_numel, require
+
+LAYOUT = "TensorCoreFP8Layout"
+FP8 = torch.float8_e4m3fn
+
+
+class Fp8TensorwiseCodec(FormatCodec):
+    spec = FormatSpec(
+        name="fp8",
+        description="W8A8 FP8 e4m3, per-tensor weight scale, per-tensor activation scale",
+        layout=LAYOUT, weight_bits=8, activation="fp8 e4m3 per-tensor (dynamic or stored input_scale)",
+        native_format="float8_e4m3fn", stock_loadable=True, min_sm=(8, 9),
+    )
+
+    def _quantize(self, weight, *, seed):
+        scale = weight.abs().amax().clamp(min=1e-12) / torch.finfo(FP8).max
+        if seed > 0:
+            import comfy_kitchen as ck
+            generator = torch.Generator(device=weight.device).manual_seed(int(seed))
+            noise = torch.randint(0, 256, weight.shape, generator=generator, device=weight.device, dtype=torch.uint8)
+            qdata = ck.stochastic_rounding_fp8(weight / scale, noise, FP8)
+            params = TensorCoreFP8Layout.Params(scale=scale.float(), orig_dtype=weight.dtype, orig_shape=tuple(weight.shape))
+            return qdata, params
+        return TensorCoreFP8Layout.quantize(weight, scale=scale, dtype=FP8)
+
+    def linear(self, x, weight, bias=None, input_scale=None):
+        x2d = x.reshape(-1, x.shape[-1])
+        scale = input_scale if input_scale is not None else x2d.abs().amax().float().clamp(min=1e-12) / torch.finfo(FP8).max
+        qx = QuantizedTensor.from_float(x2d, LAYOUT, scale=scale.to(device=x.device, dtype=torch.float32))
+        out = torch.nn.functional.linear(qx, weight, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
+        weight = require(layer, tensors, "weight", self.spec.name)
+        if weight.dtype == torch.uint8:  # legacy files store the fp8 bytes as uint8
+            weight = weight.view(FP8)
+        check_matrix(layer, weight, self.spec.name, (FP8,))
+        scale = require(layer, tensors, "weight_scale", self.spec.name).float()
+        check_numel(layer, scale, self.spec.name, "weight_scale", (1,))
+        params = TensorCoreFP8Layout.Params(scale=scale.reshape(()), orig_dtype=compute_dtype, orig_shape=tuple(weight.shape))
+        return QuantizedTensor(weight, LAYOUT, params)
+
+
+FP8_TENSORWISE = Fp8TensorwiseCodec()

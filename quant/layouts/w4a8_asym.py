@@ -1,0 +1,71 @@
+"""``w4a8``: comfy-kitchen's native grouped W4A8 layout (``asym_w4a8_int8``).
+
+4-bit weight codes (a Lloyd-Max codebook by default) in groups of 16 with fp8 group scales and an
+fp32 per-channel scale, after a ConvRot rotation (256); activations run as INT8 per token, so the
+product is an INT8 GEMM. Storage: ``weight`` (int8 ``[N, K/2]``), ``weight_s_rel`` (fp8
+``[N, K/16]``), ``weight_s_channel`` (fp32 ``[N]``), optional ``weight_codebook`` (``[16]``) and
+``weight_correction``; ``comfy_quant`` ``{"format": "asym_w4a8_int8", "group_size": 16,
+"convrot_groupsize": 256}``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from comfy_kitchen.tensor import AsymW4A8Int8Layout, QuantizedTensor
+
+from .base import FormatCodec, FormatSpec, check_matrix, conf_value, require
+
+LAYOUT = "AsymW4A8Int8Layout"
+CONVROT_GROUP = 256
+GROUP = 16
+_SUPPORTS_SEED = "stochastic_rounding" in inspect.signature(AsymW4A8Int8Layout.quantize).parameters
+
+
+class W4A8AsymCodec(FormatCodec):
+    spec = FormatSpec(
+        name="w4a8",
+        description="W4A8: 4-bit codebook weights (groups of 16, fp8 group scales) x INT8 per-token activations",
+        layout=LAYOUT, weight_bits=4, activation="int8 per-token (dynamic), rotated",
+        native_format="asym_w4a8_int8", stock_loadable=True, in_features_multiple=CONVROT_GROUP,
+        fallback="int8_convrot", min_sm=(8, 0),
+    )
+    tensor_keys = ("weight", "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction")
+
+    def _quantize(self, weight, *, seed):
+        kwargs = {"group_size": GROUP, "convrot_groupsize": CONVROT_GROUP}
+        if seed > 0:
+            if not _SUPPORTS_SEED:
+                raise ValueError("stochastic rounding of w4a8 weights needs comfy-kitchen >= 0.2.40; "
+                                 "upgrade comfy-kitchen or use another mode")
+            kwargs["stochastic_rounding"] = seed
+        return AsymW4A8Int8Layout.quantize(weight, **kwargs)
+
+    def comfy_quant(self, qt):
+        return {"format": self.spec.native_format, "group_size": qt._params.group_size,
+                "convrot_groupsize": qt._params.convrot_groupsize}
+
+    def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
+        weight = require(layer, tensors, "weight", self.spec.name)
+        s_rel = require(layer, tensors, "weight_s_rel", self.spec.name)
+        s_channel = require(layer, tensors, "weight_s_channel", self.spec.name)
+        check_matrix(layer, weight, self.spec.name, (torch.int8,))
+        if s_rel.dtype == torch.uint8:
+            s_rel = s_rel.view(torch.float8_e4m3fn)
+        n, half_k = weight.shape
+        try:
+            params = AsymW4A8Int8Layout.Params(
+                scale=s_rel, s_channel=s_channel.float(), codebook=tensors.get("weight_codebook"),
+                correction=tensors.get("weight_correction"),
+                orig_dtype=compute_dtype, orig_shape=(n, 2 * half_k),
+                group_size=int(conf_value(conf, "group_size", GROUP)),
+                convrot_groupsize=int(conf_value(conf, "convrot_groupsize", CONVROT_GROUP)),
+            )
+        except ValueError as err:  # kitchen validates shapes; say which layer
+            from ..errors import CheckpointFormatError
+            raise CheckpointFormatError(f"layer {layer!r} ({self.spec.name}): {err}") from err
+        return QuantizedTensor(weight, LAYOUT, params)
+
+
+W4A8 = W4A8AsymCodec()

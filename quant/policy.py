@@ -1,0 +1,231 @@
+"""Per-layer policy: which layer gets which format.
+
+A :class:`Policy` (mode + preset + options, frozen and validated) applied to the layers of a model
+gives a :class:`Plan`: one :class:`LayerDecision` per weight, printable and testable without a
+model. Precedence, first match wins:
+
+1. not a 2-D ``*.weight``                      → kept as stored (biases, norms, embeddings...)
+2. matches a preset ``keep_float`` pattern     → float
+3. smaller than ``min_features`` on either side → float
+4. mode ``int4_mixed``: inside the INT8 budget  → ``int8_convrot`` (see below), else ``w4a4``
+   mode ``int4_full``: ``w4a4``; any other mode: that format
+5. the chosen format cannot take the shape     → its fallback chain (``w4a4`` → ``int8_convrot`` → ``int8``),
+   with the reason recorded
+
+The ``int4_mixed`` INT8 budget: layers are ranked (preset ``int4_sensitive`` patterns first, in
+pattern order, then the first and last transformer blocks before the middle ones); the top of the
+ranking takes INT8 while that keeps the INT8 share of quantized parameters nearest to ``int4_mixed_ratio``. The ranking
+does not depend on the ratio, so lowering the ratio only removes INT8 layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from .errors import PolicyError, UnknownFormatError
+from .formats import FORMATS, fallback_chain
+from .presets import Preset, get_preset
+
+POLICY_VERSION = 1
+INT4_MODES = ("int4_mixed", "int4_full")
+INT4_FORMAT = "w4a4"
+INT4_MIXED_INT8_FORMAT = "int8_convrot"
+
+
+def all_modes() -> tuple[str, ...]:
+    """Every mode a user can pick: each format, plus the 4-bit mixes."""
+    return (*FORMATS, *INT4_MODES)
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What the plan does with one weight."""
+
+    name: str  # layer prefix, e.g. ``double_blocks.0.img_attn.qkv``
+    shape: tuple[int, ...]
+    format: str | None  # ``None``: stays float
+    reason: str
+
+    @property
+    def params(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The result of applying a policy to a model's layers."""
+
+    mode: str
+    preset: str
+    layers: tuple[LayerDecision, ...]
+
+    def format_of(self, name: str) -> str | None:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer.format
+        return None
+
+    @property
+    def quantized(self) -> tuple[LayerDecision, ...]:
+        return tuple(layer for layer in self.layers if layer.format is not None)
+
+    def counts(self) -> dict[str, int]:
+        """Layers per format (``float`` for kept layers)."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            key = layer.format or "float"
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def fallbacks(self) -> tuple[LayerDecision, ...]:
+        return tuple(layer for layer in self.layers if layer.reason.startswith("fallback"))
+
+    def table(self) -> str:
+        """A printable per-layer table."""
+        width = max([len(layer.name) for layer in self.layers] + [5])
+        lines = [f"plan: mode={self.mode} preset={self.preset}",
+                 f"{'layer':<{width}}  {'shape':<14}  {'format':<14}  reason"]
+        for layer in self.layers:
+            shape = "x".join(str(d) for d in layer.shape)
+            lines.append(f"{layer.name:<{width}}  {shape:<14}  {layer.format or 'float':<14}  {layer.reason}")
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts().items()))
+        lines.append(f"layers per format: {counts}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How to choose a format per layer. Validates itself; round-trips through :meth:`to_dict`."""
+
+    mode: str = "int8_convrot"
+    preset: str = "auto"  # a preset name, or "auto" to detect from the layer names
+    int4_mixed_ratio: float = 0.2
+    min_features: int = 32
+    extra_keep_float: tuple[str, ...] = ()  # user patterns added to the preset's
+    version: int = POLICY_VERSION
+
+    def __post_init__(self):
+        if self.mode not in all_modes():
+            raise UnknownFormatError(f"unknown mode {self.mode!r}; known modes: {', '.join(all_modes())}")
+        if not 0.0 <= float(self.int4_mixed_ratio) <= 1.0:
+            raise PolicyError(f"int4_mixed_ratio must be between 0 and 1, got {self.int4_mixed_ratio}")
+        if self.min_features < 1:
+            raise PolicyError(f"min_features must be at least 1, got {self.min_features}")
+        if self.version != POLICY_VERSION:
+            raise PolicyError(f"policy version {self.version} is not supported (this LowBit reads version {POLICY_VERSION})")
+        object.__setattr__(self, "extra_keep_float", tuple(self.extra_keep_float))
+        for pattern in self.extra_keep_float:
+            _compile(pattern, "extra_keep_float")
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "extra_keep_float": list(self.extra_keep_float)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Policy":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise PolicyError(f"unknown policy keys {sorted(unknown)}; known keys: {sorted(known)}")
+        return cls(**{k: (tuple(v) if k == "extra_keep_float" else v) for k, v in data.items()})
+
+    def resolve_preset(self, layer_names: Iterable[str]) -> Preset:
+        from .presets import detect_preset
+
+        return detect_preset(layer_names) if self.preset == "auto" else get_preset(self.preset)
+
+    def plan(self, shapes: Mapping[str, tuple[int, ...]], preset: Preset | None = None) -> Plan:
+        """Decide every layer. ``shapes`` maps state-dict keys (``<layer>.weight``...) to shapes."""
+        preset = preset or self.resolve_preset(shapes)
+        keep = [_compile(p, "keep_float") for p in (*preset.keep_float, *self.extra_keep_float)]
+        decisions: dict[str, LayerDecision] = {}
+        candidates: list[str] = []
+        for key, shape in shapes.items():
+            if not key.endswith(".weight") or len(shape) != 2:
+                continue
+            name = key[: -len(".weight")]
+            shape = tuple(int(d) for d in shape)
+            hit = next((p.pattern for p in keep if p.search(name)), None)
+            if hit is not None:
+                decisions[name] = LayerDecision(name, shape, None, f"keep_float pattern {hit!r}")
+            elif min(shape) < self.min_features:
+                decisions[name] = LayerDecision(name, shape, None, f"smaller than min_features={self.min_features}")
+            else:
+                candidates.append(name)
+                decisions[name] = LayerDecision(name, shape, self.mode, "mode")
+        if self.mode == "int4_mixed":
+            int8_layers = _int8_budget(candidates, decisions, preset, self.int4_mixed_ratio)
+            for name in candidates:
+                d = decisions[name]
+                if name in int8_layers:
+                    decisions[name] = dataclasses.replace(d, format=INT4_MIXED_INT8_FORMAT, reason=int8_layers[name])
+                else:
+                    decisions[name] = dataclasses.replace(d, format=INT4_FORMAT, reason="int4_mixed: 4-bit")
+        elif self.mode == "int4_full":
+            for name in candidates:
+                decisions[name] = dataclasses.replace(decisions[name], format=INT4_FORMAT, reason="int4_full")
+        for name in candidates:
+            d = decisions[name]
+            try:
+                codec, reasons = fallback_chain(d.format, d.shape)
+            except ValueError as err:
+                decisions[name] = dataclasses.replace(d, format=None, reason=f"no format takes this shape: {err}")
+                continue
+            if reasons:
+                decisions[name] = dataclasses.replace(
+                    d, format=codec.spec.name, reason=f"fallback {d.format} -> {codec.spec.name}: {'; '.join(reasons)}")
+        return Plan(mode=self.mode, preset=preset.name, layers=tuple(decisions.values()))
+
+
+def _compile(pattern: str, what: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise PolicyError(f"{what} pattern {pattern!r} is not a valid regular expression: {err}") from None
+
+
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:[a-z_]*blocks|layers|transformer_blocks)\.(\d+)\.")
+
+
+def _sensitivity_rank(names: list[str], preset: Preset) -> list[tuple[str, str]]:
+    """Layers from most to least sensitive, each with the reason; independent of the budget."""
+    sensitive = [_compile(p, "int4_sensitive") for p in preset.int4_sensitive]
+    indices = {}
+    for name in names:
+        m = _BLOCK_INDEX.search(name)
+        indices[name] = int(m.group(1)) if m else None
+    known = [i for i in indices.values() if i is not None]
+    last = max(known) if known else 0
+
+    def key(item):
+        order, name = item
+        hit = next((i for i, p in enumerate(sensitive) if p.search(name)), None)
+        idx = indices[name]
+        edge = min(idx, last - idx) if idx is not None else 0  # distance from the first/last block
+        return (0 if hit is not None else 1, hit if hit is not None else 0, edge, order)
+
+    ranked = sorted(enumerate(names), key=key)
+    out = []
+    for order, name in ranked:
+        hit = next((p.pattern for p in sensitive if p.search(name)), None)
+        out.append((name, f"int4_mixed: int8 budget (int4_sensitive {hit!r})" if hit else "int4_mixed: int8 budget (edge block)"))
+    return out
+
+
+def _int8_budget(names: list[str], decisions: Mapping[str, LayerDecision], preset: Preset, ratio: float) -> dict[str, str]:
+    total = sum(decisions[n].params for n in names)
+    budget = ratio * total
+    chosen: dict[str, str] = {}
+    used = 0
+    for name, reason in _sensitivity_rank(names, preset):
+        size = decisions[name].params
+        if used + size / 2 > budget:
+            break  # a prefix of a fixed ranking: a smaller ratio gives a subset (nearest fill, no skipping)
+        chosen[name] = reason
+        used += size
+    return chosen
