@@ -1,0 +1,150 @@
+"""Quantization Report (LowBit): what a quantized MODEL holds, layer by layer.
+
+A markdown table of each quantized layer's format, shape, bytes as bf16 and bytes as stored, with
+totals for the quantized layers and for the whole diffusion model. With ``measure_error`` on, each
+layer also gets the relative error of its quantized linear (the format's activation quantization
+and kernel) against ``F.linear`` with the dequantized weight, on a seeded random probe input: it
+isolates what the run-time path adds on top of the weight rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from comfy_api.latest import io, ui
+
+from ..quant.formats import get_format
+from . import CATEGORY
+
+BF16_BYTES = 2
+PREFIX = "diffusion_model."
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    layer: str
+    format: str
+    shape: tuple[int, int]
+    bf16_bytes: int
+    stored_bytes: int
+    rel_error: float | None = None  # ||linear_q - linear_deq|| / ||linear_deq||
+
+
+def relative_output_error(codec, qtensor, *, probe_tokens: int, seed: int) -> float:
+    """``||codec.linear(x, W_q) - F.linear(x, dequant(W_q))|| / ||F.linear(x, dequant(W_q))||``."""
+    weight = qtensor.dequantize()
+    n, k = weight.shape
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(probe_tokens, k, generator=gen).to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        reference = torch.nn.functional.linear(x.float(), weight.float())
+        quantized = codec.linear(x, qtensor).float()
+    denom = reference.norm()
+    return float((quantized - reference).norm() / denom) if denom > 0 else 0.0
+
+
+def layer_rows(layers: Iterable[tuple[str, str, object]], *, measure_error: bool = False,
+               probe_tokens: int = 64, seed: int = 0) -> list[LayerRow]:
+    """One :class:`LayerRow` per ``(layer, format_name, qtensor)``."""
+    rows = []
+    for i, (layer, fmt, qtensor) in enumerate(layers):
+        codec = get_format(fmt)
+        shape = tuple(int(d) for d in qtensor.shape)
+        stored = sum(t.numel() * t.element_size() for t in codec.state_dict(qtensor).values())
+        error = relative_output_error(codec, qtensor, probe_tokens=probe_tokens, seed=seed + i) if measure_error else None
+        rows.append(LayerRow(_strip(layer), fmt, shape, math.prod(shape) * BF16_BYTES, stored, error))
+    return rows
+
+
+def other_tensor_bytes(model, quantized: set[str]) -> int:
+    """Bytes of the diffusion model's tensors that are not quantized weights (kept float, biases...)."""
+    diffusion_model = model.model.diffusion_model
+    total = 0
+    for name, tensor in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers()):
+        layer, _, suffix = name.rpartition(".")
+        if layer in quantized and suffix == "weight":
+            continue
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool) -> str:
+    """The report as a markdown table, with totals."""
+    header = ["layer", "format", "shape", "bf16", "stored", "ratio"] + (["rel. output error", "SQNR dB"] if measured else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = [r.layer, r.format, "x".join(map(str, r.shape)), _size(r.bf16_bytes), _size(r.stored_bytes),
+                 f"{r.stored_bytes / r.bf16_bytes:.3f}"]
+        if measured:
+            cells += [f"{r.rel_error:.2e}", _sqnr(r.rel_error)]
+        lines.append("| " + " | ".join(cells) + " |")
+    before = sum(r.bf16_bytes for r in rows)
+    after = sum(r.stored_bytes for r in rows)
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.format] = counts.get(r.format, 0) + 1
+    summary = [
+        "",
+        f"**quantized layers:** {len(rows)} ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items())) or 'none'})",
+        f"**quantized weights:** {_size(before)} as bf16 -> {_size(after)} stored"
+        + (f" ({after / before:.3f}x)" if before else ""),
+        f"**other tensors (float, as stored):** {_size(other_bytes)}",
+        f"**whole diffusion model:** {_size(before + other_bytes)} -> {_size(after + other_bytes)}"
+        + (f" ({(after + other_bytes) / (before + other_bytes):.3f}x)" if before + other_bytes else ""),
+    ]
+    if measured and rows:
+        worst = max(rows, key=lambda r: r.rel_error)
+        summary.append(f"**largest relative output error:** {worst.rel_error:.2e} ({worst.layer}, {worst.format})")
+    return "\n".join(lines + summary)
+
+
+def _strip(layer: str) -> str:
+    return layer[len(PREFIX):] if layer.startswith(PREFIX) else layer
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _sqnr(rel_error: float) -> str:
+    return "inf" if rel_error <= 0 else f"{-20 * math.log10(rel_error):.1f}"
+
+
+class LowBitQuantizationReport(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowBitQuantizationReport",
+            display_name="Quantization Report (LowBit)",
+            category=CATEGORY,
+            description="Show which format each layer of a quantized model uses, its size before and after, "
+                        "and optionally the measured error of each quantized linear.",
+            inputs=[
+                io.Model.Input("model", tooltip="A model from Quantize Model (LowBit) or Load Diffusion Model (LowBit)."),
+                io.Boolean.Input("measure_error", default=False,
+                                 tooltip="Also run each quantized layer on a random probe input and report its "
+                                 "relative output error against the dequantized float weight (slower)."),
+                io.Int.Input("probe_tokens", default=64, min=1, max=4096, advanced=True,
+                             tooltip="Rows of the random probe input used by measure_error."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, advanced=True,
+                             tooltip="Seed of the random probe input."),
+            ],
+            outputs=[io.String.Output("report", tooltip="The same table as markdown text.")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, model, measure_error: bool, probe_tokens: int = 64, seed: int = 0) -> io.NodeOutput:
+        from .model_quant import quantized_layers
+
+        layers = quantized_layers(model)
+        rows = layer_rows(layers, measure_error=measure_error, probe_tokens=probe_tokens, seed=seed)
+        other = other_tensor_bytes(model, {_strip(layer) for layer, _, _ in layers})
+        table = format_table(rows, other, measured=measure_error)
+        return io.NodeOutput(table, ui=ui.PreviewText(table))
