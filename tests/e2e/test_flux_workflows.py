@@ -1,0 +1,218 @@
+"""LowBit's nodes in a real ComfyUI server, on a tiny Flux model (issue "nodes", Show 1).
+
+Every workflow goes in through ``POST /prompt`` and comes back from ``GET /history``; latents are
+read from what stock ``SaveLatent`` wrote. The float (bf16) model sampled with the same seed is the
+reference each quantized run is measured against.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import e2e_workflows as wf
+from e2e_checks import (dequantized_weights, file_metadata, saved_latent, saved_model_path, sqnr_db,
+                        workflow_from_metadata)
+from e2e_models import bake_lora, lora_delta, lora_layers, tiny_flux, tiny_lora, write_safetensors
+
+FLUX = "tiny_flux.safetensors"
+LORA = "tiny_flux_lora.safetensors"
+NOT_A_MODEL = "not_a_diffusion_model.safetensors"
+#: layers the test LoRA touches: both streams of a double block and a single block
+LORA_TARGETS = ("double_blocks.0.img_attn.qkv", "double_blocks.1.txt_mlp.0", "single_blocks.0.linear1")
+
+# Latent SQNR floors against the float model after 2 sampling steps (measured on this model:
+# see the test report; the floors leave a few dB of margin).
+MIN_LATENT_SQNR = {"int8_convrot": 25.0, "fp8_rowwise": 18.0, "w4a8": 12.0}
+
+
+@pytest.fixture(scope="module")
+def flux(comfy_server):
+    """Model files in the server's folders, and the float model's reference latent."""
+    state_dict = tiny_flux()
+    write_safetensors(state_dict, comfy_server.diffusion_models_dir / FLUX)
+    lora = tiny_lora(state_dict, LORA_TARGETS, scale=0.5)
+    write_safetensors(lora, comfy_server.loras_dir / LORA)
+    write_safetensors({"text_model.embeddings.weight": torch.randn(64, 32).to(torch.bfloat16)},
+                      comfy_server.diffusion_models_dir / NOT_A_MODEL)
+    g = wf.Graph()
+    out = wf.sample_and_save(g, wf.unet_loader(g, FLUX), wf.flux_conditioning(g), "float")
+    reference = saved_latent(comfy_server, comfy_server.run_ok(g.api()), out.id)
+    return {"state_dict": state_dict, "lora": lora, "reference": reference}
+
+
+def _quantized_latent(server, model_builder, prefix):
+    g = wf.Graph()
+    out = wf.sample_and_save(g, model_builder(g), wf.flux_conditioning(g), prefix)
+    return saved_latent(server, server.run_ok(g.api()), out.id)
+
+
+def test_object_info_lists_every_lowbit_node_with_tooltips(comfy_server):
+    from lowbit.nodes import NODE_MODULES
+
+    info = comfy_server.object_info()
+    expected = [name for names in NODE_MODULES.values() for name in names]
+    missing = [name for name in expected if name not in info]
+    assert not missing, f"LowBit nodes missing from /object_info: {missing}\n{comfy_server.log_tail(80)}"
+    for name in expected:
+        node = info[name]
+        assert node["category"].startswith("LowBit"), (name, node["category"])
+        assert "(LowBit)" in node["display_name"], (name, node["display_name"])
+        assert node.get("description"), f"{name} has no description"
+        inputs = {**node["input"].get("required", {}), **node["input"].get("optional", {})}
+        assert inputs, f"{name} has no inputs"
+        untipped = [k for k, (_, opts, *rest) in ((k, (*v, {})) for k, v in inputs.items())
+                    if not (isinstance(opts, dict) and opts.get("tooltip"))]
+        assert not untipped, f"{name}: inputs without a tooltip: {untipped}"
+
+
+def test_quantize_model_int8_convrot_samples_close_to_float(comfy_server, flux):
+    """(a) UNETLoader (bf16) -> Quantize Model (LowBit, int8_convrot) -> KSampler -> SaveLatent."""
+    g = wf.Graph()
+    model = wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot")
+    out = wf.sample_and_save(g, model, wf.flux_conditioning(g), "int8_convrot")
+    rep = wf.report(g, model, measure_error=True)
+    result = comfy_server.run_ok(g.api())
+    latent = saved_latent(comfy_server, result, out.id)
+    reference = flux["reference"]
+    assert latent.shape == reference.shape
+    assert not torch.equal(latent, reference), "the quantized model sampled exactly like the float one"
+    assert sqnr_db(reference, latent) > MIN_LATENT_SQNR["int8_convrot"]
+    report = result.outputs[rep.id]["text"][0]
+    assert "int8_convrot" in report and "SQNR dB" in report, report
+
+
+@pytest.mark.parametrize("mode", ["w4a8", "fp8_rowwise"])
+def test_lowbit_loader_quantizes_on_the_fly(comfy_server, flux, mode):
+    """(b) Load Diffusion Model (LowBit) quantizing a bf16 file while loading -> KSampler."""
+    latent = _quantized_latent(comfy_server, lambda g: wf.lowbit_loader(g, FLUX, mode), f"loader_{mode}")
+    reference = flux["reference"]
+    assert not torch.equal(latent, reference)
+    assert sqnr_db(reference, latent) > MIN_LATENT_SQNR[mode]
+
+
+def test_saved_model_loads_in_stock_unet_loader_with_identical_latents(comfy_server, flux):
+    """(c) Quantize -> Save Quantized Model; stock UNETLoader loads the file and samples the same latents."""
+    g = wf.Graph()
+    model = wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot")
+    in_memory = wf.sample_and_save(g, model, wf.flux_conditioning(g), "in_memory")
+    save = wf.save_quantized(g, model, "tiny_flux_int8_convrot")
+    workflow_marker = {"nodes": [], "links": [], "lowbit_test": "c"}
+    result = comfy_server.run_ok(g.api(), extra_pnginfo={"workflow": workflow_marker})
+    path = saved_model_path(comfy_server, result, save.id)
+    assert path.name.startswith("tiny_flux_int8_convrot_") and path.name.endswith("_.safetensors")
+
+    prompt, workflow = workflow_from_metadata(file_metadata(path))
+    assert prompt[save.id]["class_type"] == "LowBitSaveQuantizedModel"
+    assert workflow == workflow_marker
+
+    weights = dequantized_weights(path)
+    assert weights and {fmt for fmt, _ in weights.values()} <= {"int8_convrot", "int8"}
+
+    g2 = wf.Graph()
+    from_disk = wf.sample_and_save(g2, wf.unet_loader(g2, path.name), wf.flux_conditioning(g2), "from_disk")
+    disk_latent = saved_latent(comfy_server, comfy_server.run_ok(g2.api()), from_disk.id)
+    memory_latent = saved_latent(comfy_server, result, in_memory.id)
+    assert sqnr_db(memory_latent, disk_latent) > 60.0, "the saved file samples differently from the in-memory model"
+
+    # saving again never overwrites: the counter moves on
+    second = saved_model_path(comfy_server, comfy_server.run_ok(g.api()), save.id)
+    assert second != path and path.is_file()
+
+
+def test_lora_before_quantize_is_baked_once(comfy_server, flux):
+    """(d) LoraLoaderModelOnly -> Quantize Model: the LoRA is in the quantized weights exactly once."""
+    strength = 1.0
+    g = wf.Graph()
+    lora_model = g.add("LoraLoaderModelOnly", model=wf.unet_loader(g, FLUX), lora_name=LORA,
+                       strength_model=strength).out()
+    model = wf.quantize(g, lora_model, "int8_convrot")
+    out = wf.sample_and_save(g, model, wf.flux_conditioning(g), "lora_int8")
+    save = wf.save_quantized(g, model, "tiny_flux_lora_int8")
+    result = comfy_server.run_ok(g.api())
+
+    # weights: each LoRA layer holds quantize(W + delta), not quantize(W) nor quantize(W + 2 delta)
+    weights = dequantized_weights(saved_model_path(comfy_server, result, save.id))
+    base, lora = flux["state_dict"], flux["lora"]
+    for layer in lora_layers(lora):
+        w = base[f"{layer}.weight"].float()
+        delta = lora_delta(lora, layer, strength)
+        _, stored = weights[layer]
+        once, none, twice = sqnr_db(w + delta, stored), sqnr_db(w, stored), sqnr_db(w + 2 * delta, stored)
+        assert once > 30.0, f"{layer}: stored weight is not W + delta ({once:.1f} dB)"
+        assert once > none + 10 and once > twice + 10, (layer, once, none, twice)
+
+    # outputs: the LoRA changes the latent, and matches the LoRA merged into the file by hand
+    latent = saved_latent(comfy_server, result, out.id)
+    write_safetensors(bake_lora(base, lora, strength), comfy_server.diffusion_models_dir / "tiny_flux_baked.safetensors")
+    expected = _quantized_latent(
+        comfy_server, lambda g: wf.quantize(g, wf.unet_loader(g, "tiny_flux_baked.safetensors"), "int8_convrot"),
+        "baked_int8")
+    without = _quantized_latent(comfy_server, lambda g: wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot"),
+                                "no_lora_int8")
+    assert sqnr_db(expected, latent) > sqnr_db(without, latent) + 10, "the LoRA's effect is not in the output"
+    assert sqnr_db(expected, latent) > 30.0
+
+
+def test_save_refuses_a_lora_applied_after_quantization(comfy_server, flux):
+    g = wf.Graph()
+    model = wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot")
+    patched = g.add("LoraLoaderModelOnly", model=model, lora_name=LORA, strength_model=1.0).out()
+    wf.save_quantized(g, patched, "must_not_exist")
+    result = comfy_server.run(g.api())
+    assert result.status == "error"
+    err = result.execution_error
+    assert err["node_type"] == "LowBitSaveQuantizedModel"
+    assert "pending weight patch" in err["exception_message"] and "before Quantize Model" in err["exception_message"]
+    assert not list((comfy_server.output_dir / "diffusion_models").glob("must_not_exist*"))
+
+
+def _assert_serving(server):
+    g = wf.Graph()
+    wf.sample_and_save(g, wf.unet_loader(g, FLUX), wf.flux_conditioning(g), "still_serving")
+    server.run_ok(g.api())
+
+
+def test_missing_file_is_a_readable_validation_error(comfy_server, flux):
+    """(e) a model file that does not exist: POST /prompt refuses it, naming the node and the input."""
+    g = wf.Graph()
+    wf.sample_and_save(g, wf.lowbit_loader(g, "no_such_model.safetensors", "int8_convrot"),
+                       wf.flux_conditioning(g), "missing")
+    result = comfy_server.run(g.api())
+    assert result.status == "rejected"
+    errors = result.rejection["node_errors"]
+    assert any(e["class_type"] == "LowBitLoadDiffusionModel" and "no_such_model" in json_text(e)
+               for e in errors.values()), result.rejection
+    _assert_serving(comfy_server)
+
+
+def test_non_diffusion_file_fails_with_a_node_error(comfy_server, flux):
+    """(e) a safetensors file that is not a diffusion model: the loader node fails readably."""
+    g = wf.Graph()
+    wf.sample_and_save(g, wf.lowbit_loader(g, NOT_A_MODEL, "int8_convrot"), wf.flux_conditioning(g), "not_model")
+    result = comfy_server.run(g.api())
+    assert result.status == "error"
+    err = result.execution_error
+    assert err["node_type"] == "LowBitLoadDiffusionModel"
+    assert NOT_A_MODEL in err["exception_message"] or "diffusion model" in err["exception_message"].lower(), err
+    _assert_serving(comfy_server)
+
+
+def test_model_without_quantizable_layers_fails_with_a_node_error(comfy_server, flux):
+    """(e) quantizing a model that has nothing left to quantize (already quantized) fails readably."""
+    g = wf.Graph()
+    once = wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot")
+    twice = wf.quantize(g, once, "int8_convrot")
+    wf.sample_and_save(g, twice, wf.flux_conditioning(g), "twice")
+    result = comfy_server.run(g.api())
+    assert result.status == "error", "quantizing an already quantized model should fail, not pass silently"
+    err = result.execution_error
+    assert err["node_type"] == "LowBitQuantizeModel"
+    assert "quantiz" in err["exception_message"].lower(), err
+    _assert_serving(comfy_server)
+
+
+def json_text(value) -> str:
+    import json
+
+    return json.dumps(value)
