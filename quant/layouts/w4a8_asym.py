@@ -10,6 +10,8 @@ product is an INT8 GEMM. Storage: ``weight`` (int8 ``[N, K/2]``), ``weight_s_rel
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import inspect
 
 import torch
@@ -37,10 +39,18 @@ class W4A8AsymCodec(FormatCodec):
         kwargs = {"group_size": GROUP, "convrot_groupsize": CONVROT_GROUP}
         if seed > 0:
             if not _SUPPORTS_SEED:
-                raise ValueError("stochastic rounding of w4a8 weights needs comfy-kitchen >= 0.2.40; "
-                                 "upgrade comfy-kitchen or use another mode")
+                raise ValueError(
+                    f"stochastic rounding (seed={seed}) of w4a8 weights needs comfy-kitchen >= 0.2.40, found "
+                    f"comfy-kitchen {_kitchen_version()}; upgrade comfy-kitchen or quantize with seed=0")
             kwargs["stochastic_rounding"] = seed
         return AsymW4A8Int8Layout.quantize(weight, **kwargs)
+
+    def linear(self, x, weight, bias=None, input_scale=None):
+        # kitchen's W4A8 handler returns the weight's dtype, not the input's: give the weight the
+        # input's dtype (metadata only, no copy) so the output follows x like every other format.
+        if weight.dtype != x.dtype:
+            weight = QuantizedTensor(weight._qdata, LAYOUT, dataclasses.replace(weight._params, orig_dtype=x.dtype))
+        return torch.nn.functional.linear(x, weight, bias)
 
     def comfy_quant(self, qt):
         return {"format": self.spec.native_format, "group_size": qt._params.group_size,
@@ -66,6 +76,13 @@ class W4A8AsymCodec(FormatCodec):
             from ..errors import CheckpointFormatError
             raise CheckpointFormatError(f"layer {layer!r} ({self.spec.name}): {err}") from err
         return QuantizedTensor(weight, LAYOUT, params)
+
+
+def _kitchen_version() -> str:
+    try:
+        return importlib.metadata.version("comfy-kitchen")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 W4A8 = W4A8AsymCodec()
