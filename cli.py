@@ -1,0 +1,490 @@
+"""The ``lowbit`` command line: quantize checkpoints, inspect them, list the formats.
+
+    python -m lowbit quantize IN.safetensors OUT.safetensors --mode int8_convrot
+    python -m lowbit quantize --demo demo_int8_convrot.safetensors
+    python -m lowbit inspect FILE.safetensors [--mode MODE] [--preset PRESET]
+    python -m lowbit formats [--markdown]
+    python -m lowbit bench kernels [ARGS ...]
+
+stdout carries only each command's result (its table); messages go through ``logging`` to stderr.
+Exit codes: 0 success; 2 a user error (one line on stderr; ``--debug`` adds the traceback); 1 an
+unexpected error; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .quant.errors import LowBitError, OutputExistsError
+
+log = logging.getLogger("lowbit.cli")
+
+PROG = "lowbit"
+DEMO_SOURCE_NAME = "tiny_flux_bf16.safetensors"  # the demo's float source, written next to OUT
+DEMO_MODE = "int8_convrot"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: errors a user causes (bad names, missing or existing files): one line, exit code 2
+USER_ERRORS = (LowBitError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+               PermissionError)
+EXIT_USER_ERROR = 2
+GPU_GENERATIONS = {(7, 5): "Turing", (8, 0): "Ampere", (8, 6): "Ampere", (8, 9): "Ada", (9, 0): "Hopper",
+                   (10, 0): "Blackwell", (12, 0): "Blackwell"}
+FORMAT_COLUMNS = ("format", "weight bits", "activations", "comfy_quant format", "stock ComfyUI loads",
+                  "fast path GPU", "fallback")
+
+
+# ---- tables ---------------------------------------------------------------------------------
+
+def text_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """Left-aligned columns separated by two spaces, with a dashed rule under the header."""
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def human_bytes(n: int | float) -> str:
+    """``1536`` → ``1.5 KiB``."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
+def gpu_requirement(min_sm: tuple[int, int] | None) -> str:
+    if min_sm is None:
+        return "any"
+    name = GPU_GENERATIONS.get(tuple(min_sm))
+    return f"SM {min_sm[0]}.{min_sm[1]}+" + (f" ({name})" if name else "")
+
+
+def format_rows() -> list[tuple[str, ...]]:
+    """One row per registered format, in registry order (the ``formats`` command and README table)."""
+    from .quant.formats import FORMATS
+
+    rows = []
+    for spec in (codec.spec for codec in FORMATS.values()):
+        rows.append((spec.name, str(spec.weight_bits), spec.activation, spec.native_format,
+                     "yes" if spec.stock_loadable else "no: LowBit loader", gpu_requirement(spec.min_sm),
+                     spec.fallback or "-"))
+    return rows
+
+
+def formats_markdown() -> str:
+    """The Markdown formats table that README.md and docs/formats.md embed (tests keep them equal)."""
+    rows = [(f"`{r[0]}`", r[1], r[2], f"`{r[3]}`", *r[4:6], f"`{r[6]}`" if r[6] != "-" else "-")
+            for r in format_rows()]
+    return markdown_table(FORMAT_COLUMNS, rows)
+
+
+# ---- checkpoint reports ---------------------------------------------------------------------
+
+REPORT_COLUMNS = ("format", "layers", "params", "before (bf16)", "after", "after/before")
+
+
+def summary_table(path: Path, *, per_layer: bool = False) -> str:
+    """Layers, parameters and bytes per stored format of a checkpoint (``before`` = those weights as bf16)."""
+    from .quant.checkpoint import LOWBIT_PLAN_KEY, inspect_checkpoint
+    from .quant.formats import FORMATS
+
+    summary = inspect_checkpoint(path)
+    groups: dict[str, list[int]] = {}
+    for layer in summary.layers:
+        codec = FORMATS.get(layer.format)
+        # stored quantized weights are one byte per element holding 8 // weight_bits values
+        params = _numel(layer.stored_shape) * (8 // codec.spec.weight_bits if codec else 1)
+        _add(groups, layer.format, params, 2 * params, layer.bytes)
+    title = f"{path}: {human_bytes(summary.file_bytes)}, {summary.tensor_count} tensors"
+    written_by = _lowbit_plan(summary.metadata.get(LOWBIT_PLAN_KEY))
+    if written_by:
+        title += f"; written by LowBit with {written_by}"
+    lines = [title, _report(groups, summary.other_bytes)]
+    if per_layer:
+        lines += ["", text_table(("layer", "stored shape", "format", "bytes"), [
+            (layer.name, "x".join(map(str, layer.stored_shape)), layer.format, human_bytes(layer.bytes))
+            for layer in summary.layers])]
+    return "\n".join(lines)
+
+
+def plan_table(path: Path, policy, *, per_layer: bool = False) -> str:
+    """For a float checkpoint: what ``policy`` would make of it, with bytes before (bf16) and after."""
+    from .quant.checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as reader:
+        infos, file_bytes = dict(reader.tensors), reader.file_size
+    plan = policy.plan({key: info.shape for key, info in infos.items()})
+    decisions = {f"{d.name}.weight": d for d in plan.layers}
+    groups: dict[str, list[int]] = {}
+    other = 0
+    for key, info in infos.items():
+        decision = decisions.get(key)
+        if decision is not None and decision.format is not None:
+            after = layer_bytes(decision.format, decision.shape)
+            _add(groups, decision.format, decision.params, 2 * decision.params, after)
+        elif key.endswith(".weight") and len(info.shape) >= 2:
+            _add(groups, "float", _numel(info.shape), 2 * _numel(info.shape), info.nbytes)
+        else:
+            other += info.nbytes
+    title = (f"{path}: float checkpoint, {human_bytes(file_bytes)}, {len(infos)} tensors; "
+             f"plan for mode {plan.mode}, preset {plan.preset}")
+    lines = [title, _report(groups, other)]
+    if per_layer:
+        lines += ["", plan.table()]
+    return "\n".join(lines)
+
+
+def _lowbit_plan(raw: str | None) -> str:
+    """``mode M, preset P`` from a file's ``lowbit_plan`` metadata ('' when absent or unreadable)."""
+    try:
+        plan = json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return ""
+    if not isinstance(plan, dict):
+        return ""
+    return ", ".join(f"{key} {plan[key]}" for key in ("mode", "preset") if key in plan)
+
+
+def layer_bytes(fmt: str, shape: tuple[int, ...]) -> int:
+    """Exact bytes that a ``[N, K]`` weight takes in format ``fmt``: tensors plus its ``comfy_quant``."""
+    n, k = shape
+    fixed, per_row = _bytes_per_row(fmt, k)
+    return fixed + per_row * n
+
+
+@functools.lru_cache(maxsize=None)
+def _bytes_per_row(fmt: str, in_features: int) -> tuple[int, int]:
+    """Stored bytes are affine in the row count (per-row data plus fixed parts); measure two row counts."""
+    import torch
+
+    from .quant.formats import get_format
+    from .quant.native import layer_tensors
+
+    codec = get_format(fmt)
+    rows = 16 * codec.spec.out_features_multiple
+    generator = torch.Generator().manual_seed(0)
+    sizes = []
+    for n in (rows, 2 * rows):
+        qt = codec.quantize(torch.randn(n, in_features, generator=generator))
+        sizes.append(sum(t.numel() * t.element_size() for t in layer_tensors(codec, "layer", qt).values()))
+    per_row = (sizes[1] - sizes[0]) // rows
+    return sizes[0] - per_row * rows, per_row
+
+
+def _add(groups: dict[str, list[int]], fmt: str, params: int, before: int, after: int) -> None:
+    group = groups.setdefault(fmt, [0, 0, 0, 0])
+    for i, value in enumerate((1, params, before, after)):
+        group[i] += value
+
+
+def _report(groups: dict[str, list[int]], other_bytes: int) -> str:
+    from .quant.formats import FORMATS
+
+    order = [f for f in FORMATS if f in groups] + sorted(f for f in groups if f not in FORMATS)
+    rows, total = [], [0, 0, other_bytes, other_bytes]
+    for fmt in order:
+        layers, params, before, after = groups[fmt]
+        rows.append((fmt, str(layers), f"{params:,}", human_bytes(before), human_bytes(after), _ratio(after, before)))
+        total = [t + v for t, v in zip(total, groups[fmt])]
+    rows.append(("other tensors", "", "", human_bytes(other_bytes), human_bytes(other_bytes), ""))
+    rows.append(("total", str(total[0]), f"{total[1]:,}", human_bytes(total[2]), human_bytes(total[3]),
+                 _ratio(total[3], total[2])))
+    return text_table(REPORT_COLUMNS, rows)
+
+
+def _ratio(after: int, before: int) -> str:
+    return f"{after / before:.0%}" if before else ""
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# ---- commands -------------------------------------------------------------------------------
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    print(formats_markdown() if args.markdown else text_table(FORMAT_COLUMNS, format_rows()))
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from .quant.checkpoint import open_checkpoint
+    from .quant.convert import convert_file
+    from .quant.policy import Policy, all_modes
+    from .quant.safetensors_file import check_output_path
+
+    if args.demo:
+        if len(args.paths) != 1:
+            raise LowBitError(f"quantize --demo takes one path, OUT; got {len(args.paths)}: {' '.join(args.paths) or '(none)'}")
+    elif len(args.paths) != 2:
+        raise LowBitError(f"quantize takes two paths, IN and OUT (or --demo OUT); got {len(args.paths)}: "
+                          f"{' '.join(args.paths) or '(none)'}")
+    mode = args.mode or (DEMO_MODE if args.demo else None)
+    if mode is None:
+        raise LowBitError(f"quantize needs --mode MODE, one of: {', '.join(all_modes())}")
+    if args.ratio is not None and mode != "int4_mixed":
+        log.warning("--ratio only applies to --mode int4_mixed; ignored for %s", mode)
+    ratio = {} if args.ratio is None else {"int4_mixed_ratio": args.ratio}
+    policy = Policy(mode=mode, preset=args.preset, extra_keep_float=tuple(args.keep_float), **ratio)
+    compute_dtype = getattr(torch, DTYPES[args.dtype])
+    device = resolve_device(args.device)
+
+    out = Path(args.paths[-1])
+    if args.demo:
+        check_output_path(out, overwrite=args.overwrite, protect=(out.with_name(DEMO_SOURCE_NAME),))
+        src = write_demo_source(out.with_name(DEMO_SOURCE_NAME), overwrite=args.overwrite)
+    else:
+        src = Path(args.paths[0])
+        if not src.is_file():
+            raise FileNotFoundError(f"input checkpoint not found: {src}" if not src.exists()
+                                    else f"input {src} is not a file; pass a .safetensors checkpoint")
+        check_output_path(out, overwrite=args.overwrite, protect=(src,))
+
+    if args.print_plan:
+        with open_checkpoint(src) as reader:
+            print(policy.plan(reader.shapes()).table(), flush=True)
+    log.info("quantizing %s -> %s (mode %s, preset %s, on %s)", src, out, mode, args.preset, device)
+    quiet = getattr(args, "quiet", False)
+    with logging_redirect_tqdm(), tqdm(desc="quantizing", unit="tensor", disable=True if quiet else None,
+                                       dynamic_ncols=True, leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        report = convert_file(src, out, policy, compute_dtype=compute_dtype, device=device,
+                              overwrite=args.overwrite, progress=progress)
+    print(summary_table(out))
+    fallbacks = report.plan.fallbacks()
+    if fallbacks:
+        log.info("%d layer(s) took a fallback format for their shape (--print-plan shows why)", len(fallbacks))
+    log.info("%s", report.summary())
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .quant.checkpoint import open_checkpoint
+    from .quant.policy import Policy
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}" if not path.exists()
+                                else f"{path} is not a file; pass a .safetensors checkpoint")
+    with open_checkpoint(path) as reader:
+        quantized = reader.is_quantized
+    if quantized:
+        print(summary_table(path, per_layer=args.layers))
+        return 0
+    ratio = {} if args.ratio is None else {"int4_mixed_ratio": args.ratio}
+    policy = Policy(mode=args.mode, preset=args.preset, **ratio)
+    print(plan_table(path, policy, per_layer=args.layers))
+    return 0
+
+
+def write_demo_source(path: Path, *, overwrite: bool) -> Path:
+    """Save the tiny Flux demo model at ``path``; an identical existing file is reused."""
+    import torch
+
+    from .quant.checkpoint import open_checkpoint, save_checkpoint
+    from .quant.demo import tiny_flux_state_dict
+
+    state_dict = tiny_flux_state_dict()
+    if path.exists() and not overwrite:
+        try:
+            with open_checkpoint(path) as reader:
+                same = reader.keys() == list(state_dict) and all(
+                    torch.equal(reader.read(k), v) for k, v in state_dict.items())
+        except LowBitError:
+            same = False
+        if not same:
+            raise OutputExistsError(f"{path} exists and is not the demo model; the demo writes its float source "
+                                    f"there. Move it away, or pass --overwrite to replace it.")
+        log.info("reusing the demo model %s", path)
+        return path
+    save_checkpoint(state_dict, path, metadata={"lowbit_demo": "tiny_flux"}, overwrite=overwrite)
+    log.info("wrote the demo model (tiny Flux architecture, random weights) to %s", path)
+    return path
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` → ``cuda`` when a GPU is usable, else ``cpu``; other names are checked."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LowBitError(f"--device {name!r} is not a device name; expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LowBitError(f"--device {name}: no CUDA GPU is usable here; use --device cpu (or auto)")
+    return str(device)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    module_name = f"{__package__}.kernels.bench"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        raise LowBitError("kernel benchmarks are not part of this install (kernels/bench.py is missing); "
+                          "update LowBit to a version that ships them") from None
+    return int(module.main(list(args.bench_args)) or 0)
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    group = common.add_argument_group("output control")
+    group.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the full traceback of errors, and debug messages")
+    group.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help="only warnings and errors on stderr; no progress bar")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .quant.policy import all_modes
+    from .quant.presets import preset_names
+
+    modes, presets = all_modes(), ("auto", *preset_names())
+    common = _common_options()
+    parser = _Parser(prog=PROG, parents=[common], description=(
+        "LowBit: quantize diffusion-model checkpoints (INT8 / FP8 / 4-bit) to ComfyUI-native files, "
+        "inspect them, and list the formats."),
+        epilog=f"Run '{PROG} COMMAND --help' for the options of a command.")
+    parser.set_defaults(func=None)
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
+
+    q = sub.add_parser(
+        "quantize", parents=[common], help="quantize a float .safetensors checkpoint (or the built-in demo)",
+        usage=f"{PROG} quantize IN OUT --mode MODE [options]\n       {PROG} quantize --demo OUT [--mode MODE]",
+        description="Quantize a float .safetensors diffusion model to a ComfyUI-native quantized checkpoint, "
+                    "streaming one layer at a time. With --demo, build the small Flux-architecture demo model, "
+                    f"save it as {DEMO_SOURCE_NAME} next to OUT, and quantize it.",
+        epilog="A mode is a format (see 'lowbit formats') or a 4-bit mix: int4_mixed puts the most sensitive layers "
+               "in int8_convrot (--ratio of the parameters) and the rest in w4a4; int4_full puts every quantizable "
+               "layer in w4a4. Layers a format cannot take get its fallback format.")
+    q.add_argument("paths", nargs="*", metavar="IN OUT", help="input checkpoint and output path (--demo: OUT only)")
+    q.add_argument("--demo", action="store_true", help=f"quantize the built-in tiny Flux model (default mode {DEMO_MODE})")
+    q.add_argument("--mode", choices=modes, metavar="MODE", help=f"one of: {', '.join(modes)}")
+    q.add_argument("--preset", default="auto", choices=presets, metavar="PRESET",
+                   help=f"architecture preset: {', '.join(presets)} (default: auto = detect from the keys)")
+    q.add_argument("--ratio", type=float, default=None, metavar="R",
+                   help="int4_mixed only: share of quantized parameters kept in INT8 (0..1, default 0.2)")
+    q.add_argument("--keep-float", action="extend", nargs="+", default=[], metavar="REGEX",
+                   help="extra layer-name regular expressions to keep in float (added to the preset's)")
+    q.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
+                   help="compute dtype the quantized layers run in (default bf16)")
+    q.add_argument("--device", default="auto",
+                   help="where to quantize: auto (cuda when available, else cpu), cpu, cuda, cuda:1, ... ")
+    q.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    q.add_argument("--print-plan", action="store_true", help="print the per-layer plan before converting")
+    q.set_defaults(func=cmd_quantize)
+
+    i = sub.add_parser(
+        "inspect", parents=[common], help="show the formats, layer counts and sizes of a checkpoint",
+        description="For a quantized file: the stored format of every layer, layer counts and bytes per format. "
+                    "For a float file: the plan --mode/--preset would apply and the bytes before (as bf16) and after.")
+    i.add_argument("file", metavar="FILE", help="a .safetensors checkpoint")
+    i.add_argument("--mode", choices=modes, default=DEMO_MODE, metavar="MODE",
+                   help=f"float files: the mode to plan for (default {DEMO_MODE}); one of: {', '.join(modes)}")
+    i.add_argument("--preset", default="auto", choices=presets, metavar="PRESET",
+                   help=f"float files: the preset to plan with: {', '.join(presets)} (default auto)")
+    i.add_argument("--ratio", type=float, default=None, metavar="R", help="float files, int4_mixed: the INT8 share")
+    i.add_argument("--layers", action="store_true", help="also print one row per layer")
+    i.set_defaults(func=cmd_inspect)
+
+    f = sub.add_parser("formats", parents=[common], help="list the quantization formats",
+                       description="The format registry: bits, activation scheme, native comfy_quant format, "
+                                   "whether stock ComfyUI loads it, the GPU the fast path needs, and the fallback "
+                                   "for layers a format cannot take.")
+    f.add_argument("--markdown", action="store_true", help="print a Markdown table (as in README.md)")
+    f.set_defaults(func=cmd_formats)
+
+    b = sub.add_parser("bench", parents=[common], help="benchmarks (bench kernels: GEMM kernel timings)",
+                       description="Run a benchmark suite. 'bench kernels --help' lists the kernel benchmark's options.")
+    b.add_argument("suite", choices=("kernels",), help="which benchmark: kernels")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the benchmark")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+class _MessageFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
+
+
+def _setup_logging(debug: bool, quiet: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_MessageFormatter("%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
+    if not debug:  # third-party chatter stays out of the CLI's output
+        for name in ("comfy_kitchen", "triton", "torch"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv[: argv.index("--")] if "--" in argv else "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        _setup_logging(debug, getattr(args, "quiet", False))
+        if args.func is None:
+            build_parser().print_help(sys.stderr)
+            return EXIT_USER_ERROR
+        return args.func(args)
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return 130
+    except USER_ERRORS as err:
+        if debug:
+            log.exception("%s", err)
+        message = " ".join(str(err).split()) or type(err).__name__
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        return EXIT_USER_ERROR
+    except Exception as err:  # a bug: say so in one line unless --debug
+        if debug:
+            raise
+        sys.stderr.write(f"{PROG}: unexpected error: {type(err).__name__}: {err} "
+                         f"(run again with --debug for the traceback, and please report it)\n")
+        return 1
