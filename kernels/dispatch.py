@@ -1,0 +1,239 @@
+"""The measured dispatcher: per (format, GPU capability, M bucket, N, K), the fastest implementation.
+
+A linear call offers its candidates – our Triton kernels (one per tile config), comfy-kitchen's
+op, ``torch._int_mm``/``torch._scaled_mm``, dequantize + float matmul, the eager reference – as
+named zero-argument callables. The first time a key is seen on a CUDA device every candidate is
+timed on the call's real inputs (CUDA events, median of a few runs) and the winner is remembered;
+decisions are written to a JSON file whose path the caller passes in (the ComfyUI node layer
+passes ComfyUI's user directory), so later runs start with them. Candidates that fail record their
+error instead of breaking the call.
+
+Without CUDA (CPU, or the Triton interpreter), while a CUDA graph is being captured, or under
+``torch.compile`` tracing, nothing is measured: the first candidate in the offered order runs
+(the callers list a safe default first).
+
+``force_backend`` (``kernels/backend.py``) narrows the candidates to one backend, for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from .backend import Backend, BackendUnavailableError, active_backend, capability
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def m_bucket(m: int) -> int:
+    """Rows are bucketed to the next power of two (16 … 16384; larger M share the last bucket)."""
+    for bucket in M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    return M_BUCKETS[-1] * 2
+
+
+@dataclass(frozen=True)
+class DispatchKey:
+    fmt: str  # format + run-time variant, e.g. "int8", "int8+regular256", "fp8_rowwise", "w4a8"
+    capability: tuple[int, int]
+    m_bucket: int
+    n: int
+    k: int
+
+    def as_str(self) -> str:
+        return f"{self.fmt}|sm{self.capability[0]}{self.capability[1]}|m{self.m_bucket}|n{self.n}|k{self.k}"
+
+
+def backend_of(candidate: str) -> Backend:
+    """``"triton:128x256x128-g8-w8-s3"`` → ``Backend.TRITON``; ``"kitchen"`` → ``Backend.KITCHEN``."""
+    return Backend(candidate.split(":", 1)[0])
+
+
+@dataclass
+class Dispatcher:
+    """Chooses among candidates by measurement and remembers the choice (optionally in a JSON file)."""
+
+    cache_path: str | os.PathLike | None = None
+    measure: bool = True
+    warmup: int = 2
+    repeats: int = 7
+    decisions: dict[str, str] = field(default_factory=dict)
+    timings_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    failures: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+        if self.cache_path is not None:
+            self.cache_path = Path(self.cache_path).expanduser()
+            self._load()
+
+    # ---- persistence ------------------------------------------------------------------------
+    def _load(self) -> None:
+        path = self.cache_path
+        if not path.is_file():
+            return
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            log.warning("LowBit kernel dispatch cache %s is unreadable (%s); measuring again", path, err)
+            return
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            log.info("LowBit kernel dispatch cache %s is from another version; measuring again", path)
+            return
+        self.decisions.update({str(k): str(v) for k, v in data.get("decisions", {}).items()})
+        self.timings_us.update(data.get("timings_us", {}))
+
+    def save(self) -> None:
+        """Write the decisions (atomically) to ``cache_path``; a no-op without a path."""
+        if self.cache_path is None:
+            return
+        data = {"version": CACHE_VERSION, "decisions": self.decisions, "timings_us": self.timings_us}
+        path = Path(self.cache_path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as tmp:
+                json.dump(data, tmp, indent=1, sort_keys=True)
+            os.replace(tmp.name, path)
+        except OSError as err:
+            log.warning("LowBit could not write its kernel dispatch cache %s: %s", path, err)
+
+    # ---- choosing ---------------------------------------------------------------------------
+    def choose(self, key: DispatchKey, candidates: Mapping[str, Callable[[], torch.Tensor]],
+               device: torch.device) -> str:
+        """The candidate to run for ``key``: cached, measured now, or the first offered."""
+        names = list(candidates)
+        if not names:
+            raise BackendUnavailableError(f"no implementation can run {key.as_str()}")
+        text = key.as_str()
+        cached = self.decisions.get(text)
+        if cached in candidates:
+            return cached
+        if len(names) == 1 or not self._can_measure(device):
+            return names[0]
+        with self._lock:
+            timings, failures = {}, {}
+            for name in names:
+                try:
+                    timings[name] = _time_us(candidates[name], self.warmup, self.repeats)
+                except Exception as err:  # a candidate that cannot run here is not a user error
+                    failures[name] = f"{type(err).__name__}: {err}"[:300]
+                    log.info("LowBit kernel candidate %s failed for %s: %s", name, text, failures[name])
+            if not timings:
+                raise BackendUnavailableError(f"every implementation failed for {text}: {failures}")
+            best = min(timings, key=timings.get)
+            self.decisions[text] = best
+            self.timings_us[text] = {k: round(v, 2) for k, v in timings.items()}
+            if failures:
+                self.failures[text] = failures
+            log.info("LowBit kernel dispatch %s -> %s (%s)", text, best,
+                     ", ".join(f"{k} {v:.1f}us" for k, v in sorted(timings.items(), key=lambda kv: kv[1])))
+            self.save()
+        return best
+
+    def _can_measure(self, device: torch.device) -> bool:
+        if not self.measure or device.type != "cuda":
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        compiler = getattr(torch, "compiler", None)
+        return not (compiler is not None and compiler.is_compiling())
+
+
+def _time_us(fn: Callable[[], torch.Tensor], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    value = statistics.median(times)
+    if not math.isfinite(value):
+        raise RuntimeError("non-finite timing")
+    return value
+
+
+_default = Dispatcher()
+_current: list[Dispatcher] = []
+
+
+def current_dispatcher() -> Dispatcher:
+    """The dispatcher of the innermost :func:`use_dispatcher`, else the process default."""
+    return _current[-1] if _current else _default
+
+
+def install_dispatcher(dispatcher: Dispatcher) -> Dispatcher:
+    """Make ``dispatcher`` the process default (the node layer does this once); returns the old one."""
+    global _default
+    old, _default = _default, dispatcher
+    return old
+
+
+@contextlib.contextmanager
+def use_dispatcher(dispatcher: Dispatcher):
+    """Use ``dispatcher`` for the calls inside the block (tests, benchmarks)."""
+    _current.append(dispatcher)
+    try:
+        yield dispatcher
+    finally:
+        _current.pop()
+
+
+def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
+        make: Callable[[str], Callable[[], torch.Tensor]], reasons: Callable[[], Mapping[str, str]]) -> torch.Tensor:
+    """Run the chosen implementation of a linear of ``x2d`` ``[M, K]`` → ``[M, n]``.
+
+    ``names()`` lists the candidates that can run here, in default order (the first is used when
+    nothing is measured); ``make(name)`` builds the zero-argument call of one; ``reasons()`` says
+    why absent backends were left out (for the error when a forced backend cannot run). A cached
+    decision skips building the list: the steady-state cost is one key and one dict lookup.
+    """
+    forced = active_backend()
+    key = DispatchKey(key_fmt, capability(x2d.device), m_bucket(x2d.shape[0]), n, x2d.shape[1])
+    dispatcher = current_dispatcher()
+    if forced is Backend.AUTO:
+        cached = dispatcher.decisions.get(key.as_str())
+        if cached is not None:
+            try:
+                return make(cached)()
+            except Exception as err:  # e.g. a cache written on another install; measure again
+                log.warning("LowBit cached kernel choice %s for %s failed (%s); choosing again",
+                            cached, key.as_str(), err)
+                dispatcher.decisions.pop(key.as_str(), None)
+    available = names()
+    if forced is not Backend.AUTO:
+        available = [name for name in available if backend_of(name) is forced]
+        if not available:
+            why = reasons().get(forced.value, "it does not implement this format")
+            raise BackendUnavailableError(f"backend {forced.value!r} was forced but cannot run {key_fmt}: {why}")
+        if len(available) == 1 or not dispatcher._can_measure(x2d.device):
+            return make(available[0])()
+        return make(_choose_uncached(dispatcher, key, available, make, x2d.device))()
+    return make(dispatcher.choose(key, {name: make(name) for name in available}, x2d.device))()
+
+
+def _choose_uncached(dispatcher: Dispatcher, key: DispatchKey, available: list[str],
+                     make: Callable[[str], Callable[[], torch.Tensor]], device: torch.device) -> str:
+    """Measure a forced backend's variants without recording them as the format's decision."""
+    probe = Dispatcher(measure=dispatcher.measure, warmup=dispatcher.warmup, repeats=dispatcher.repeats)
+    return probe.choose(key, {name: make(name) for name in available}, device)

@@ -1,0 +1,127 @@
+"""The LowBit kernels as ``torch.library`` custom ops, each with a fake (meta) implementation.
+
+* ``lowbit::act_quant``  – per-token INT8/FP8 activation quantization with optional smoothing,
+  centring and block Hadamard rotation (``reference.act_quant_reference``).
+* ``lowbit::w8a8_mm``    – INT8 or FP8 scaled GEMM with the scale / shift / bias epilogue.
+* ``lowbit::w4a8_mm``    – packed 4-bit weight × INT8 activation GEMM, decoded in registers.
+
+Every op takes an explicit ``impl`` string: ``"eager"`` runs the pure-torch reference, anything
+else names a Triton variant (``"triton"`` for the act-quant kernel, a :class:`GemmConfig` name for
+the GEMMs). Which ``impl`` to use is decided outside the op (``kernels/dispatch.py``), so the ops
+are pure functions of their arguments – what ``torch.compile`` needs. Triton is imported only when
+a Triton ``impl`` runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import act_quant_reference, scaled_mm_reference, unpack_int4_signed, unpack_uint4
+
+
+def _op_defined(name: str) -> bool:
+    # The package can be imported twice under different names (``lowbit`` and ComfyUI's custom
+    # node module name); define each op once per process and reuse it after that.
+    try:
+        getattr(torch.ops.lowbit, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# ---- act_quant ----------------------------------------------------------------------------------
+
+def _act_quant_impl(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotation: str, group_size: int,
+                    smooth: torch.Tensor | None, center: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if impl == "eager":
+        return act_quant_reference(x, out_dtype, qmax, rotation, group_size, smooth, center)
+    from .triton_act_quant import act_quant_triton
+
+    return act_quant_triton(x, out_dtype, qmax, rotation, group_size, smooth, center)
+
+
+def _act_quant_fake(x, out_dtype, qmax, rotation, group_size, smooth, center, impl):
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=out_dtype), x.new_empty((m, 1), dtype=torch.float32),
+            x.new_empty((m, 1 if center else 0), dtype=torch.float32))
+
+
+# ---- w8a8_mm ------------------------------------------------------------------------------------
+
+def _w8a8_mm_impl(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                  bias: torch.Tensor | None, row_shift: torch.Tensor | None, col_shift: torch.Tensor | None,
+                  out_dtype: torch.dtype, impl: str) -> torch.Tensor:
+    if impl == "eager":
+        return scaled_mm_reference(a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype)
+    from .gemm_config import config_named
+    from .triton_w8a8_gemm import w8a8_mm_triton
+
+    return w8a8_mm_triton(a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype, config_named(impl))
+
+
+def _w8a8_mm_fake(a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype, impl):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# ---- w4a8_mm ------------------------------------------------------------------------------------
+
+def decode_w4_reference(packed: torch.Tensor, s_rel: torch.Tensor | None, table: torch.Tensor | None,
+                        group_size: int) -> torch.Tensor:
+    """The int8 ``[N, K]`` weight the W4 kernel multiplies (signed nibbles, or table levels)."""
+    if s_rel is None:
+        return unpack_int4_signed(packed)
+    codes = unpack_uint4(packed)
+    n, k = codes.shape
+    s_byte = s_rel.view(torch.uint8).long().repeat_interleave(group_size, dim=1)
+    return table.reshape(-1)[s_byte * 16 + codes].reshape(n, k)
+
+
+def _w4a8_mm_impl(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, s_rel: torch.Tensor | None, table: torch.Tensor | None,
+                  group_size: int, out_dtype: torch.dtype, impl: str) -> torch.Tensor:
+    if impl == "eager":
+        weight = decode_w4_reference(packed, s_rel, table, group_size)
+        return scaled_mm_reference(a, weight, a_scale, w_scale, bias, None, None, out_dtype)
+    from .gemm_config import config_named
+    from .triton_w4_gemm import w4a8_mm_triton
+
+    return w4a8_mm_triton(a, packed, a_scale, w_scale, bias, s_rel, table, group_size, out_dtype, config_named(impl))
+
+
+def _w4a8_mm_fake(a, packed, a_scale, w_scale, bias, s_rel, table, group_size, out_dtype, impl):
+    return a.new_empty((a.shape[0], packed.shape[0]), dtype=out_dtype)
+
+
+def _define(name: str, fn, fake):
+    if not _op_defined(name):
+        op = torch.library.custom_op(f"lowbit::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+    return getattr(torch.ops.lowbit, name)
+
+
+act_quant_op = _define("act_quant", _act_quant_impl, _act_quant_fake)
+w8a8_mm_op = _define("w8a8_mm", _w8a8_mm_impl, _w8a8_mm_fake)
+w4a8_mm_op = _define("w4a8_mm", _w4a8_mm_impl, _w4a8_mm_fake)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and compiler.is_compiling()
+
+
+# What the linears call: the registered op while ``torch.compile`` traces (so the graph holds one
+# opaque node with a fake), the implementation directly in eager mode – a custom op's Python
+# dispatch costs tens of microseconds per call, which small-M layers cannot afford.
+def act_quant(*args):
+    """``lowbit::act_quant`` (see :func:`_act_quant_impl` for the arguments)."""
+    return act_quant_op(*args) if _compiling() else _act_quant_impl(*args)
+
+
+def w8a8_mm(*args):
+    """``lowbit::w8a8_mm`` (see :func:`_w8a8_mm_impl` for the arguments)."""
+    return w8a8_mm_op(*args) if _compiling() else _w8a8_mm_impl(*args)
+
+
+def w4a8_mm(*args):
+    """``lowbit::w4a8_mm`` (see :func:`_w4a8_mm_impl` for the arguments)."""
+    return w4a8_mm_op(*args) if _compiling() else _w4a8_mm_impl(*args)

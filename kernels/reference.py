@@ -1,0 +1,127 @@
+"""Pure-torch references of every LowBit kernel: the definition each Triton kernel must match.
+
+They run on any device and are what ``Backend.EAGER`` executes. Arithmetic is spelled out in the
+order the Triton kernels use, so that where a result can be exact (INT8 codes without rotation,
+FP8 codes, INT8 GEMM accumulators) the kernels reproduce it bit for bit.
+
+Activation quantization (one token = one row ``x`` of ``[M, K]``)::
+
+    x' = x * smooth                (optional, HadaNorm column smoothing)
+    mu = mean(x'); x' = x' - mu    (optional, HadaNorm centring; mu is returned)
+    x' = x' @ blockdiag(H)         (optional, block Hadamard rotation, groups of ``group_size``)
+    a  = max(max|x'|, 1e-30);  inv = qmax / a;  scale = a / qmax
+    q  = clamp(rint(x' * inv), -qmax, qmax) as int8     (INT8; qmax 127, or 7 for 4-bit codes)
+    q  = clamp(x' * inv, -448, 448) as float8_e4m3fn     (FP8, round-to-nearest-even)
+
+Scaled GEMM: ``out = float32(A_q @ B_q.T) * a_scale[m] * b_scale[n] + row_shift[m] * col_shift[n]
++ bias[n]``, the INT8 product accumulated exactly in int32, then cast to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hadamard import rotate_blocks
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+INT4_MAX = 7.0
+ABSMAX_FLOOR = 1e-30
+ROTATIONS = ("none", "regular", "sylvester")
+
+
+def act_quant_reference(x: torch.Tensor, out_dtype: torch.dtype = torch.int8, qmax: float | None = None,
+                        rotation: str = "none", group_size: int = 0, smooth: torch.Tensor | None = None,
+                        center: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` ``[M, K]`` per row; returns codes ``[M, K]``, scales ``[M, 1]`` and means fp32.
+
+    ``means`` is ``[M, 1]`` when ``center``, else an empty ``[M, 0]``. See the module docstring for the exact arithmetic.
+    """
+    if qmax is None:
+        qmax = FP8_MAX if out_dtype == FP8 else INT8_MAX
+    xf = x.float()
+    if smooth is not None:
+        xf = xf * smooth.float().reshape(1, -1)
+    mean = torch.empty(xf.shape[0], 0, dtype=torch.float32, device=x.device)  # [M, 1] when centring
+    if center:
+        mean = xf.sum(dim=-1, keepdim=True) / xf.shape[-1]
+        xf = xf - mean
+    if rotation != "none":
+        xf = rotate_blocks(xf, rotation, group_size)
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=ABSMAX_FLOOR)
+    inv = torch.full_like(amax, qmax) / amax
+    scale = amax / qmax
+    y = xf * inv
+    if out_dtype == FP8:
+        q = y.clamp(-qmax, qmax).to(FP8)
+    else:
+        q = torch.round(y).clamp(-qmax, qmax).to(torch.int8)
+    return q, scale, mean
+
+
+def scaled_mm_reference(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                        bias: torch.Tensor | None = None, row_shift: torch.Tensor | None = None,
+                        col_shift: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``A [M, K] @ B [N, K].T`` of INT8 or FP8 codes with the scale / shift / bias epilogue.
+
+    ``a_scale``: ``[M, 1]`` (or ``[M]``); ``b_scale``: ``[N]``, ``[N, 1]`` or one value.
+    """
+    acc = (a.double() @ b.double().t()).float()  # exact for INT8 (|acc| < 2^53), then rounded once
+    out = acc * a_scale.float().reshape(-1, 1) * b_scale.float().reshape(1, -1)
+    if row_shift is not None:
+        out = out + row_shift.float().reshape(-1, 1) * col_shift.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float().reshape(1, -1)
+    return out.to(out_dtype)
+
+
+def int8_accumulate_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact int32 ``A @ B.T`` for INT8 codes (float64 products are exact at these sizes)."""
+    return (a.double() @ b.double().t()).round().to(torch.int32)
+
+
+# ---- 4-bit weight storage --------------------------------------------------------------------
+
+def unpack_int4_signed(packed: torch.Tensor) -> torch.Tensor:
+    """``[N, K/2]`` bytes of two signed nibbles (low nibble = even column) → int8 ``[N, K]``."""
+    p = packed.view(torch.int8)
+    low = torch.bitwise_right_shift(torch.bitwise_left_shift(p, 4), 4)  # arithmetic shift sign-extends
+    high = torch.bitwise_right_shift(p, 4)
+    return torch.stack((low, high), dim=-1).reshape(p.shape[0], p.shape[1] * 2)
+
+
+def unpack_uint4(packed: torch.Tensor) -> torch.Tensor:
+    """``[N, K/2]`` bytes of two unsigned nibbles (low nibble = even column) → int64 codes ``[N, K]``."""
+    p = packed.view(torch.uint8).long()
+    return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(p.shape[0], p.shape[1] * 2)
+
+
+def codebook_values(codebook: torch.Tensor | None, device=None) -> torch.Tensor:
+    """The 16 fp32 values a W4A8 code stands for: the stored codebook, or ``code - 8``."""
+    if codebook is None:
+        return torch.arange(16, dtype=torch.float32, device=device) - 8.0
+    return codebook.to(device=device, dtype=torch.float32).reshape(16)
+
+
+def w4a8_level_table(codebook: torch.Tensor | None, device=None) -> torch.Tensor:
+    """int8 ``[256, 16]``: the INT8 level of code ``c`` in a group whose FP8 scale has byte ``b``.
+
+    ``level = clamp(round(codebook[c] * fp8(b)), -127, 127)`` – the decode comfy-kitchen applies
+    before its INT8 GEMM, tabulated once per tensor (4 KiB) so a kernel decodes with one lookup.
+    """
+    scales = torch.arange(256, dtype=torch.uint8, device=device).view(FP8).float()
+    scales = torch.nan_to_num(scales, nan=0.0)
+    levels = (codebook_values(codebook, device).reshape(1, 16) * scales.reshape(256, 1)).round()
+    return levels.clamp(-127, 127).to(torch.int8).contiguous()
+
+
+def decode_w4a8_levels(packed: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None,
+                       group_size: int) -> torch.Tensor:
+    """Grouped 4-bit codes → the int8 ``[N, K]`` weight the INT8 GEMM multiplies (kitchen's decode)."""
+    codes = unpack_uint4(packed)
+    n, k = codes.shape
+    values = codebook_values(codebook, packed.device)[codes]
+    values = values.view(n, k // group_size, group_size) * s_rel.float().unsqueeze(-1)
+    return values.view(n, k).round().clamp(-127, 127).to(torch.int8)
+

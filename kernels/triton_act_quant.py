@@ -1,0 +1,168 @@
+"""Triton: fused per-token activation quantization (INT8 or FP8), one read of the activation.
+
+One program owns ``BLOCK_M`` whole rows (``BLOCK_K`` = ``K`` rounded up to a power of two, at
+least 256) in registers and does, in order: optional column smoothing, optional centring (the
+row mean is written out), optional block Hadamard rotation, the row abs-max, and the quantized
+store. Only ``x`` is read from memory and only the codes, scales and means are written.
+
+The rotation by ``H_G`` (``G`` = 16…256, regular or Sylvester) uses ``H_G = P ⊗ H16``: each
+256-wide super-block is viewed as a 16×16 matrix ``V`` and becomes ``Pfull^T V H16`` with
+``Pfull = I_(256/G) ⊗ P`` – two 16×16 tensor-core products instead of a ``G×G`` one. The ±1
+matrices are exact in fp16; each row is first scaled by a power of two to below 2 in magnitude (exact)
+and the fp32 operand split into two fp16 halves (hi + lo), which keeps the product accurate to
+~2^-20 relative, far below an INT8 step. The 1/sqrt(G) normalization and the power of two are one
+fp32 multiply at the end. (fp16, not bf16: the CPU interpreter mis-multiplies bf16 operands.)
+
+FP8 codes are rounded to nearest-even by hand before the cast, so the cast is exact on every
+backend (the CPU interpreter's own float8 cast drops mantissa carries).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .hadamard import hadamard_matrix
+from .reference import FP8
+
+MAX_BLOCK_K = 32768  # rows wider than this use the eager reference
+TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_K per program (registers: 8192 fp32 over 4-16 warps)
+
+
+@triton.jit
+def _rint(y):
+    # 1.5 * 2^23: (y + c) - c rounds |y| < 2^22 to nearest-even in fp32 (the interpreter lacks libdevice)
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round fp32 ``y`` (already clamped to ±448) to the nearest-even e4m3 value, as fp32."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    exponent = tl.maximum(exponent, 121)  # below 2^-6 the e4m3 grid is uniform (subnormals)
+    inv_ulp = ((257 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+    ulp = ((exponent - 3) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    return _rint(y * inv_ulp) * ulp
+
+
+@triton.jit
+def _dot_fp16x2(v, h):
+    """``v @ h`` for fp32 ``|v| < 2`` and a ±1 fp16 matrix ``h``, accurate to ~2^-20 relative."""
+    hi = v.to(tl.float16)
+    lo = (v - hi.to(tl.float32)).to(tl.float16)
+    return tl.dot(hi, h, out_dtype=tl.float32) + tl.dot(lo, h, out_dtype=tl.float32)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr,
+    M, K, stride_xm, stride_qm, qmax, rot_norm,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_SMOOTH:
+        smooth = tl.load(smooth_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = x * smooth[None, :]
+    if CENTER:
+        mean = tl.sum(x, axis=1) / K
+        x = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+    if ROTATE:
+        SB: tl.constexpr = BLOCK_M * BLOCK_K // 256  # 256-wide super-blocks in the tile
+        # scale each row by 2^-e (exact) so |x| < 2 fits fp16; undone with the normalization below
+        row_exp = tl.maximum((tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1)
+        x = x * ((254 - row_exp) << 23).to(tl.float32, bitcast=True)[:, None]
+        r16 = tl.arange(0, 16)
+        qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 H16 (acts on the low index)
+        v = tl.reshape(x, (SB * 16, 16))
+        w = _dot_fp16x2(v, qmat)  # rows (super-block, a), cols d
+        if TWO_STAGE:
+            pmat = tl.load(pmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 I ⊗ P (high index)
+            wt = tl.reshape(tl.permute(tl.reshape(w, (SB, 16, 16)), (0, 2, 1)), (SB * 16, 16))
+            z = _dot_fp16x2(wt * 0.0625, pmat)  # rows (super-block, d), cols c; /16 keeps |.| < 2
+            w = tl.reshape(tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1)), (SB * 16, 16)) * 16.0
+        row_pow2 = (row_exp << 23).to(tl.float32, bitcast=True)  # 2^(e-127)
+        x = tl.reshape(w, (BLOCK_M, BLOCK_K)) * (row_pow2 * rot_norm)[:, None]
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)  # reference.ABSMAX_FLOOR
+    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
+    scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    y = tl.minimum(tl.maximum(x * inv[:, None], -qmax), qmax)
+    q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
+    if OUT_FP8:
+        tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(q_ptrs, _rint(y).to(tl.int8), mask=mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation_factors(kind: str, group_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+    """(±1 ``I ⊗ P`` 16×16, ±1 H16, 1/sqrt(G), whether the P stage is needed) as fp16 on ``device``."""
+    if group_size < 16 or group_size > 256 or group_size & (group_size - 1):
+        raise ValueError(f"the fused rotation supports Hadamard groups of 16..256 (a power of two), got {group_size}")
+    q16 = hadamard_matrix(kind, 16) * 4.0
+    outer = group_size // 16
+    p = torch.ones(1, 1) if outer == 1 else hadamard_matrix(kind, outer) * outer**0.5
+    pfull = torch.kron(torch.eye(256 // group_size), p)
+    return (pfull.round().to(device=device, dtype=torch.float16).contiguous(),
+            q16.round().to(device=device, dtype=torch.float16).contiguous(),
+            1.0 / group_size**0.5, outer > 1)
+
+
+def act_quant_problem(k: int, rotation: str, group_size: int) -> str | None:
+    """Why the Triton kernel cannot take rows of ``k`` features (``None`` when it can)."""
+    if triton.next_power_of_2(k) > MAX_BLOCK_K:
+        return f"rows of {k} features exceed the register-resident limit of {MAX_BLOCK_K}"
+    if rotation != "none" and not (16 <= group_size <= 256 and group_size & (group_size - 1) == 0):
+        return f"the fused rotation needs a power-of-two group of 16..256, got {group_size}"
+    return None
+
+
+def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotation: str, group_size: int,
+                     smooth: torch.Tensor | None, center: bool, out: torch.Tensor | None = None,
+                     tile_elements: int = TILE_ELEMENTS, num_warps: int | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
+
+    ``out`` (tests: a poisoned buffer) receives the codes when given; ``tile_elements`` and
+    ``num_warps`` override the program size (benchmark sweeps).
+    """
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rotate = rotation != "none"
+    block_k = max(triton.next_power_of_2(k), 256 if rotate else 16)
+    block_m = max(1, min(16, tile_elements // block_k, triton.next_power_of_2(m)))
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device) if out is None else out
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    mean = torch.empty((m, 1 if center else 0), dtype=torch.float32, device=x.device)
+    if rotate:
+        pmat, qmat, norm, two_stage = _rotation_factors(rotation, group_size, x.device)
+    else:
+        pmat = qmat = scale  # unused pointers
+        norm, two_stage = 1.0, False
+    tile = block_m * block_k
+    if num_warps is None:
+        num_warps = 4 if tile <= 4096 else 8 if tile <= 8192 else 16
+    grid = (triton.cdiv(m, block_m),)
+    _act_quant_kernel[grid](
+        x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat,
+        m, k, x.stride(0), q.stride(0), float(qmax), float(norm),
+        BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
+        TWO_STAGE=two_stage, OUT_FP8=out_dtype == FP8, num_warps=num_warps,
+    )
+    return q, scale, mean
+

@@ -1,0 +1,159 @@
+"""Triton: W8A8 GEMM (INT8 or FP8 e4m3 codes) with the scale / shift / bias epilogue.
+
+``out[m, n] = float32(sum_k A[m, k] * B[n, k]) * a_scale[m] * b_scale[n]
+              (+ row_shift[m] * col_shift[n]) (+ bias[n])``
+
+``A`` is ``[M, K]`` row-major (the quantized activation), ``B`` is ``[N, K]`` row-major (the
+weight as stored), so both operands are K-major, which is what the 8-bit tensor-core paths want
+(``wgmma`` on sm_90, ``mma`` on sm_80/sm_89). INT8 accumulates exactly in int32, FP8 in fp32.
+``b_scale`` is per output channel or one value (per-tensor); ``row_shift``/``col_shift`` is the
+rank-1 term HadaNorm uses to add the token mean back (``mu[m] * rowsum(W)[n]``).
+
+Programs are ordered in groups of ``GROUP_M`` row-tiles so that consecutive programs reuse the
+same weight columns from L2. Out-of-range rows/columns are read from clamped (valid) addresses
+and never stored, so interior tiles need no load masks; a ragged K uses masked loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm_config import GemmConfig
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+              offs_m, offs_n, M, N, stride_cm,
+              B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
+    if B_SCALE_PER_N:
+        b_scale = tl.load(b_scale_ptr + offs_n, mask=n_ok, other=0.0)
+    else:
+        b_scale = tl.load(b_scale_ptr + offs_n * 0)
+    out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+    if HAS_SHIFT:
+        row_shift = tl.load(row_shift_ptr + offs_m, mask=m_ok, other=0.0)
+        col_shift = tl.load(col_shift_ptr + offs_n, mask=n_ok, other=0.0)
+        out = out + row_shift[:, None] * col_shift[None, :]
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w8a8_mm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+    M, N, K, stride_am, stride_bn, stride_cm,
+    B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
+    rows_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    if ACC_INT32:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k[None, :] < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok, other=0)
+            b = tl.load(b_ptrs, mask=k_ok, other=0)
+        if ACC_INT32:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+              offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+
+
+@triton.jit
+def _w8a8_mm_tma_kernel(
+    a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+    M, N, K, stride_cm,
+    B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """sm_90 variant: operand tiles arrive by TMA (the bulk tensor copy engine); out-of-range rows
+    and a ragged K are zero-filled by the copy engine, so no masks at all."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    if ACC_INT32:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+        a = a_desc.load([off_m, k * BLOCK_K])
+        b = b_desc.load([off_n, k * BLOCK_K])
+        if ACC_INT32:
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, b.T, acc, out_dtype=tl.float32)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+              offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+
+
+def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                   bias: torch.Tensor | None, row_shift: torch.Tensor | None, col_shift: torch.Tensor | None,
+                   out_dtype: torch.dtype, config: GemmConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch :func:`_w8a8_mm_kernel`; inputs already validated by the op (contiguous, matching K).
+
+    ``out`` (tests: a poisoned buffer) receives the result when given.
+    """
+    m, k = a.shape
+    n = b.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device) if out is None else out
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    epilogue_args = (bias if bias is not None else a_scale, row_shift if row_shift is not None else a_scale,
+                     col_shift if col_shift is not None else a_scale)
+    flags = dict(B_SCALE_PER_N=b_scale.numel() != 1, HAS_BIAS=bias is not None, HAS_SHIFT=row_shift is not None,
+                 ACC_INT32=a.dtype == torch.int8, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps,
+                 num_stages=config.num_stages)
+    if config.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
+        b_desc = TensorDescriptor.from_tensor(b, [config.block_n, config.block_k])
+        _w8a8_mm_tma_kernel[grid](a_desc, b_desc, out, a_scale, b_scale, *epilogue_args, m, n, k, out.stride(0),
+                                  WARP_SPECIALIZE=config.warp_specialize, **flags)
+    else:
+        _w8a8_mm_kernel[grid](a, b, out, a_scale, b_scale, *epilogue_args, m, n, k, a.stride(0), b.stride(0),
+                              out.stride(0), EVEN_K=k % config.block_k == 0, **flags)
+    return out

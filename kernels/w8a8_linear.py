@@ -1,0 +1,209 @@
+"""W8A8 linear (INT8 or FP8 codes), activation quantization included, through the dispatcher.
+
+``y = Q(pre(x)) @ W.T * scales + mu * col_shift + bias`` where ``pre`` is the optional HadaNorm
+smoothing / centring and block Hadamard rotation that the weight was quantized with. The
+candidates the dispatcher chooses among:
+
+* ``triton:<config>`` – our fused act-quant kernel + our scaled GEMM (one candidate per tile config)
+* ``torch``           – our act-quant + ``torch._int_mm`` / ``torch._scaled_mm`` (rowwise) + epilogue
+* ``kitchen``         – comfy-kitchen's ``int8_linear`` (INT8, no rotation or ConvRot 256 only)
+* ``dequant``         – dequantize the weight, float ``F.linear`` (no activation quantization)
+* ``eager``           – the pure-torch reference of both kernels
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import dispatch, ops
+from .backend import Backend, active_backend, capability, interpreting, triton_problem
+from .gemm_config import default_config, w8a8_candidates
+from .hadamard import rotate_blocks
+from .reference import FP8, FP8_MAX, INT8_MAX
+
+_KITCHEN_CONVROT_GROUP = 256
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """What is done to the activation before quantization (must match how the weight was made)."""
+
+    rotation: str = "none"  # "none" | "regular" (ConvRot) | "sylvester" (QuaRot, HadaNorm)
+    group_size: int = 0
+    smooth: torch.Tensor | None = None  # [K] multiplier (HadaNorm)
+    center_rowsum: torch.Tensor | None = None  # [N] rowsum of the weight: centre x and add mu * rowsum
+
+    def __post_init__(self):
+        if self.rotation not in ("none", "regular", "sylvester"):
+            raise ValueError(f"rotation must be 'none', 'regular' or 'sylvester', got {self.rotation!r}")
+        if self.rotation != "none" and self.group_size <= 0:
+            raise ValueError(f"a {self.rotation} rotation needs a positive group_size, got {self.group_size}")
+
+    def key(self) -> str:
+        parts = []
+        if self.smooth is not None:
+            parts.append("smooth")
+        if self.center_rowsum is not None:
+            parts.append("center")
+        if self.rotation != "none":
+            parts.append(f"{self.rotation}{self.group_size}")
+        return "+".join(parts)
+
+    def apply_float(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The float pre-processing (for the dequantize path): ``(x', mu)``."""
+        xf = x.float()
+        mean = None
+        if self.smooth is not None:
+            xf = xf * self.smooth.float()
+        if self.center_rowsum is not None:
+            mean = xf.mean(dim=-1, keepdim=True)
+            xf = xf - mean
+        if self.rotation != "none":
+            xf = rotate_blocks(xf, self.rotation, self.group_size)
+        return xf, mean
+
+
+def w8a8_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype, pre: Preprocess, fmt: str) -> torch.Tensor:
+    """``[M, K]`` → ``[M, N]``. ``weight``: int8 or float8_e4m3fn ``[N, K]``; ``weight_scale``: ``[N]``/``[N, 1]``/scalar."""
+    fp8 = weight.dtype == FP8
+    if weight.dtype not in (torch.int8, FP8):
+        raise ValueError(f"{fmt}: weight must be int8 or float8_e4m3fn, got {weight.dtype}")
+    if x2d.shape[1] != weight.shape[1]:
+        raise ValueError(f"{fmt}: input has {x2d.shape[1]} features but the weight expects {weight.shape[1]}")
+    n = weight.shape[0]
+    w_scale = weight_scale.reshape(-1).float()
+    if w_scale.numel() not in (1, n):
+        raise ValueError(f"{fmt}: weight_scale must have 1 or {n} values, found {w_scale.numel()}")
+    plan = _Plan(x2d, weight, w_scale, bias, out_dtype, pre, fp8)
+    key = fmt + (f"+{pre.key()}" if pre.key() else "")
+    return dispatch.run(key, x2d, n, plan.names, plan.make, plan.reasons)
+
+
+class _Plan:
+    """The candidates of one call (built lazily: a cached decision builds only the one it runs)."""
+
+    def __init__(self, x, weight, w_scale, bias, out_dtype, pre, fp8):
+        self.x, self.weight, self.w_scale, self.bias = x, weight, w_scale, bias
+        self.out_dtype, self.pre, self.fp8 = out_dtype, pre, fp8
+        self.code_dtype = FP8 if fp8 else torch.int8
+        self.qmax = FP8_MAX if fp8 else INT8_MAX
+        self.device = x.device
+
+    # ---- which candidates exist ---------------------------------------------------------------
+    def reasons(self) -> dict[str, str]:
+        out = {}
+        problem = self._triton_problem()
+        if problem:
+            out["triton"] = problem
+        if not self._kitchen_ok():
+            out["kitchen"] = "comfy-kitchen's int8_linear takes INT8 without rotation or with ConvRot 256 only"
+        if not self._torch_ok():
+            out["torch"] = "torch._int_mm/_scaled_mm need CUDA (FP8: sm_89+), N and K multiples of 16"
+        return out
+
+    def _triton_problem(self) -> str | None:
+        problem = triton_problem(self.device, needs_fp8=self.fp8 and self.device.type == "cuda")
+        if problem is None:
+            from .triton_act_quant import act_quant_problem
+
+            problem = act_quant_problem(self.x.shape[1], self.pre.rotation, self.pre.group_size)
+        return problem
+
+    def _kitchen_ok(self) -> bool:
+        pre = self.pre
+        rot_ok = pre.rotation == "none" or (pre.rotation == "regular" and pre.group_size == _KITCHEN_CONVROT_GROUP)
+        return not self.fp8 and rot_ok and pre.smooth is None and pre.center_rowsum is None
+
+    def _torch_ok(self) -> bool:
+        k, n = self.x.shape[1], self.weight.shape[0]
+        if self.fp8:
+            return (self.device.type == "cuda" and capability(self.device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
+                    and self.out_dtype in (torch.bfloat16, torch.float16, torch.float32))
+        return self.device.type == "cpu" or (self.device.type == "cuda" and self.x.shape[0] > 16
+                                             and k % 8 == 0 and n % 8 == 0)
+
+    def names(self) -> list[str]:
+        m = self.x.shape[0]
+        triton_ok = self._triton_problem() is None
+        on_gpu = self.device.type == "cuda"
+        triton = []
+        if triton_ok:
+            configs = w8a8_candidates(capability(self.device), m) if on_gpu else [default_config(m)]
+            k_aligned = self.x.shape[1] % 16 == 0  # TMA descriptors need 16-byte row strides
+            triton = [f"triton:{c.name}" for c in configs if k_aligned or not c.tma]
+        torch_mm = ["torch"] if self._torch_ok() else []
+        kitchen = ["kitchen"] if self._kitchen_ok() else []
+        if on_gpu:  # the reference is never measured on a GPU (it cannot win); it runs when forced
+            return triton + torch_mm + kitchen + ["dequant"] + (["eager"] if active_backend() is Backend.EAGER else [])
+        # CPU: nothing is measured. comfy-kitchen first where it applies (today's behaviour), then the
+        # exact emulations; the interpreter only when forced (a correctness tool, not a fast path).
+        return kitchen + torch_mm + ["eager", "dequant"] + (triton if interpreting() else [])
+
+    # ---- building one ---------------------------------------------------------------------------
+    def make(self, name: str):
+        if name.startswith("triton:"):
+            config = name.split(":", 1)[1]
+            return lambda: self._quantized("triton", config)
+        if name == "eager":
+            return lambda: self._quantized("eager", "eager")
+        if name == "torch":
+            return self._torch_mm
+        if name == "kitchen":
+            return self._kitchen
+        if name == "dequant":
+            return self._dequant
+        raise KeyError(f"unknown W8A8 implementation {name!r}")
+
+    def _act_quant(self, impl: str):
+        pre = self.pre
+        return ops.act_quant(self.x, self.code_dtype, self.qmax, pre.rotation, pre.group_size, pre.smooth,
+                             pre.center_rowsum is not None, impl)
+
+    def _quantized(self, act_impl: str, mm_impl: str) -> torch.Tensor:
+        q, scale, mean = self._act_quant(act_impl)
+        shift = (mean, self.pre.center_rowsum.float()) if self.pre.center_rowsum is not None else (None, None)
+        return ops.w8a8_mm(q, self.weight, scale, self.w_scale, self.bias, shift[0], shift[1], self.out_dtype, mm_impl)
+
+    def _torch_mm(self) -> torch.Tensor:
+        act_impl = "triton" if self._triton_problem() is None and self.device.type == "cuda" else "eager"
+        q, scale, mean = self._act_quant(act_impl)
+        n = self.weight.shape[0]
+        if self.fp8:
+            w_scale = self.w_scale.expand(n).reshape(1, n).contiguous()
+            use_bias = self.bias is not None and self.out_dtype != torch.float32
+            out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=w_scale,
+                                   bias=self.bias.to(self.out_dtype) if use_bias else None, out_dtype=self.out_dtype)
+            if self.pre.center_rowsum is None and (self.bias is None or use_bias):
+                return out
+            out = out.float()
+            bias = None if use_bias else self.bias
+        else:
+            out = torch._int_mm(q, self.weight.t()).float() * scale * self.w_scale.reshape(1, -1)
+            bias = self.bias
+        if self.pre.center_rowsum is not None:
+            out = out + mean * self.pre.center_rowsum.float().reshape(1, -1)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(self.out_dtype)
+
+    def _kitchen(self) -> torch.Tensor:
+        import comfy_kitchen as ck
+
+        convrot = self.pre.rotation == "regular"
+        return ck.int8_linear(self.x.contiguous(), self.weight, self.w_scale.reshape(-1, 1) if self.w_scale.numel() > 1
+                              else self.w_scale.reshape(()), self.bias, self.out_dtype, convrot=convrot,
+                              convrot_groupsize=_KITCHEN_CONVROT_GROUP)
+
+    def _dequant(self) -> torch.Tensor:
+        compute = self.x.dtype if self.x.dtype in (torch.float16, torch.bfloat16) and self.x.is_cuda else torch.float32
+        xf, mean = self.pre.apply_float(self.x)
+        weight = (self.weight.float() * self.w_scale.reshape(-1, 1)).to(compute)
+        out = torch.nn.functional.linear(xf.to(compute), weight).float()
+        if mean is not None:
+            out = out + mean * self.pre.center_rowsum.float().reshape(1, -1)
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(self.out_dtype)
