@@ -6,6 +6,10 @@ FP8 tensor cores (``_scaled_mm``) where the GPU has them.
 Native ``comfy_quant``: ``{"format": "float8_e4m3fn"}``; tensors ``weight`` (float8_e4m3fn
 ``[N, K]``), ``weight_scale`` (fp32 scalar), optional ``input_scale``. Stock ComfyUI loads and runs it.
 
+K and N must be multiples of 16: kitchen's FP8 GEMM (``torch._scaled_mm``) refuses other shapes on
+the GPU, so a layer of another shape stays float rather than be written as a file stock ComfyUI
+cannot run.
+
 Note: stock ComfyUI quantizes activations with a unit scale when a layer has no ``input_scale``;
 LowBit uses the activation's abs-max instead (no clipping above 448), so the two can differ in the
 last bits on such files.
@@ -27,7 +31,8 @@ class Fp8TensorwiseCodec(FormatCodec):
         name="fp8",
         description="W8A8 FP8 e4m3, per-tensor weight scale, per-tensor activation scale",
         layout=LAYOUT, weight_bits=8, activation="fp8 e4m3 per-tensor (dynamic or stored input_scale)",
-        native_format="float8_e4m3fn", stock_loadable=True, min_sm=(8, 9),
+        native_format="float8_e4m3fn", stock_loadable=True, in_features_multiple=16, out_features_multiple=16,
+        min_sm=(8, 9),
     )
 
     def _quantize(self, weight, *, seed):
@@ -45,7 +50,11 @@ class Fp8TensorwiseCodec(FormatCodec):
         x2d = x.reshape(-1, x.shape[-1])
         scale = input_scale if input_scale is not None else x2d.abs().amax().float().clamp(min=1e-12) / torch.finfo(FP8).max
         qx = QuantizedTensor.from_float(x2d, LAYOUT, scale=scale.to(device=x.device, dtype=torch.float32))
-        out = torch.nn.functional.linear(qx, weight, bias)
+        if bias is not None and x.dtype == torch.float32:
+            # torch._scaled_mm takes no bias with an fp32 output (a ValueError kitchen does not catch)
+            out = torch.nn.functional.linear(qx, weight) + bias.to(torch.float32)
+        else:
+            out = torch.nn.functional.linear(qx, weight, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
