@@ -45,11 +45,13 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx.double() - exact).norm() / exact.norm())
 
 
-def legal_shape(codec: FormatCodec, out_features: int = 40) -> tuple[int, int]:
-    """A small ``[N, K]`` with tails: ``K = 256`` where K must be a multiple of a group, else 200."""
-    k = 256 if codec.spec.in_features_multiple > 1 else 200
-    assert k % codec.spec.in_features_multiple == 0 and out_features % codec.spec.out_features_multiple == 0
-    return out_features, k
+def legal_shape(codec: FormatCodec) -> tuple[int, int]:
+    """The smallest awkward ``[N, K]`` the format takes: K = 200 (no power of two) where it can,
+    else 208 (a multiple of 16, not of 32), else 256; N = 40 where it can, else 48."""
+    spec = codec.spec
+    k = next(k for k in (200, 208, 256) if k % spec.in_features_multiple == 0)
+    n = next(n for n in (40, 48) if n % spec.out_features_multiple == 0)
+    return n, k
 
 
 def outlier_weight(n: int, k: int, *, seed: int, outliers: int = 4, factor: float = 4.0) -> torch.Tensor:

@@ -232,16 +232,19 @@ def test_output_dtype_follows_input_dtype(name, dtype, weights):
     codec = get_format(name)
     weight, qweight = weights(name)
     x = activation(5, weight.shape[1], seed=10, dtype=dtype)
+    bias = activation(weight.shape[0], seed=19, dtype=dtype)
     reference = x.double() @ weight.double().t()
     with spy_dequantize() as spy:
         # weight compute dtype (bf16) differs from the input's, and matches it after .to(dtype)
         out = codec.linear(x, qweight)
         matched = codec.linear(x, qweight.to(dtype))
         plain = F.linear(gemm_operand(name, x), qweight.to(dtype))
+        with_bias = codec.linear(x, qweight, bias)
     assert spy.calls == []
-    assert out.dtype == matched.dtype == plain.dtype == dtype
+    assert out.dtype == matched.dtype == plain.dtype == with_bias.dtype == dtype
     assert same_bits(out, matched) and same_bits(plain, out)
     assert sqnr_db(out, reference) >= LINEAR_MIN_SQNR_DB[name]
+    assert sqnr_db(with_bias, reference + bias.double()) >= LINEAR_MIN_SQNR_DB[name]
 
 
 # ---- checkpoint form ------------------------------------------------------------------------
