@@ -1,0 +1,407 @@
+"""ComfyUI adapter: Linear layers that run every LowBit format inside ComfyUI's model machinery.
+
+Stable API (the loader, the in-memory quantizer, the save and report nodes use it):
+
+``LowBitOpsConfig``
+    Frozen, validated settings of one load: compute dtype, kernel backend, which comfy_quant
+    formats run dequantized on this hardware. Never stored in a global or a shared class.
+``lowbit_ops(config) -> ops class``
+    A per-load factory, like ComfyUI's ``comfy.ops.mixed_precision_ops(...)`` (whose class it
+    subclasses, so ComfyUI's casting, offload streams, lowvram streaming, Dynamic VRAM and weight
+    patches keep working). Pass it as ``model_options["custom_operations"]``. Its ``Linear`` loads
+    any ``<layer>.comfy_quant`` that a LowBit codec reads (LowBit's own formats and the native ones)
+    through that codec, and hands formats only ComfyUI knows (nvfp4, mxfp8, e5m2) to ComfyUI's loader.
+``lowbit_linear_class(cls, classes)``
+    The per-model subclass of an existing ComfyUI Linear class that runs LowBit's forward; the
+    in-memory quantizer swaps a module's ``__class__`` to it (one instance at a time, never a global).
+``is_lowbit_linear(module)``
+    Whether ``module`` holds a weight LowBit runs (``module.lowbit_format`` names its codec).
+
+Run time, per layer holding a LowBit weight: when the weight is quantized and no weight function
+(LoRA/lowvram patch) is pending, ComfyUI's ``cast_bias_weight`` brings the weight to the compute
+device *still quantized* and the format's codec computes ``codec.linear(x, w, bias, input_scale)``
+(each format's own activation handling). Otherwise ComfyUI's own path runs: cast, dequantize,
+apply the patches, float ``F.linear``. Per-instance attributes: ``lowbit_format`` (codec name),
+``lowbit_config`` (the ``LowBitOpsConfig``), and ComfyUI's ``quant_format``/``layout_type``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import comfy.model_management
+import comfy.ops
+from comfy_kitchen.tensor import QuantizedTensor
+
+from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatError
+from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
+from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
+
+log = logging.getLogger(__name__)
+
+OPS_CONFIG_VERSION = 1
+#: kernel backends a user can pick; "auto" lets LowBit/kitchen choose per call
+KERNEL_BACKENDS = ("auto", "kitchen", "eager")
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: per-module attributes the in-memory quantizer and the loader set (read by model_quant)
+FORMAT_ATTR = "lowbit_format"
+CONFIG_ATTR = "lowbit_config"
+
+
+@dataclass(frozen=True)
+class LowBitOpsConfig:
+    """Settings of one load (or one in-memory quantization). Validates itself.
+
+    ``compute_dtype``: dtype quantized weights report (``QuantizedTensor.dtype``) and float layers
+    of a loaded file are stored in; ``None`` leaves it to ComfyUI (the model's manual-cast dtype).
+    ``backend``: one of :data:`KERNEL_BACKENDS`. ``dequantize_formats``: ``comfy_quant`` format
+    strings (``"float8_e4m3fn"``...) that run as dequantized weight × float activation on this
+    hardware, ComfyUI's ``disabled`` list (see :func:`default_dequantize_formats`).
+    """
+
+    compute_dtype: torch.dtype | None = None
+    backend: str = "auto"
+    dequantize_formats: frozenset[str] = frozenset()
+    version: int = OPS_CONFIG_VERSION
+
+    def __post_init__(self):
+        if self.version != OPS_CONFIG_VERSION:
+            raise LowBitError(f"ops config version {self.version} is not supported (expected {OPS_CONFIG_VERSION})")
+        if self.backend not in KERNEL_BACKENDS:
+            raise LowBitError(f"unknown kernel backend {self.backend!r}; choose one of {', '.join(KERNEL_BACKENDS)}")
+        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
+            raise LowBitError(f"compute_dtype must be float16, bfloat16 or float32 (or None for ComfyUI's choice), "
+                              f"got {self.compute_dtype}")
+        object.__setattr__(self, "dequantize_formats", frozenset(str(f) for f in self.dequantize_formats))
+
+    def to_dict(self) -> dict:
+        return {"compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).replace("torch.", ""),
+                "backend": self.backend, "dequantize_formats": sorted(self.dequantize_formats),
+                "version": self.version}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LowBitOpsConfig":
+        dtype = data.get("compute_dtype")
+        return cls(compute_dtype=None if dtype is None else getattr(torch, dtype), backend=data.get("backend", "auto"),
+                   dequantize_formats=frozenset(data.get("dequantize_formats", ())),
+                   version=data.get("version", OPS_CONFIG_VERSION))
+
+
+def default_dequantize_formats(device: torch.device) -> frozenset[str]:
+    """The ``comfy_quant`` formats ComfyUI itself would run dequantized on ``device``.
+
+    Mirrors ``comfy.ops.pick_operations``: FP8 needs FP8 tensor cores, nvfp4/mxfp8 need Blackwell.
+    LowBit's own ``lowbit_fp8_rowwise`` is never listed: its linear is exact on any device.
+    """
+    mm = comfy.model_management
+    disabled = set()
+    if not mm.supports_fp8_compute(device):
+        disabled |= {"float8_e4m3fn", "float8_e5m2"}
+    if not getattr(mm, "supports_nvfp4_compute", lambda d: False)(device):
+        disabled.add("nvfp4")
+    if not getattr(mm, "supports_mxfp8_compute", lambda d: False)(device):
+        disabled.add("mxfp8")
+    return frozenset(disabled)
+
+
+@contextlib.contextmanager
+def kernel_backend(name: str):
+    """Run the LowBit and comfy-kitchen kernels inside the block on backend ``name``.
+
+    ``auto`` changes nothing. ``eager`` forces kitchen's pure-torch backend (and LowBit's eager
+    kernels where ``kernels/backend.py`` provides ``force_backend``); ``kitchen`` forces kitchen's
+    own linear for every format.
+    """
+    if name == "auto":
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            from ..kernels.backend import force_backend
+        except ImportError:
+            force_backend = None
+        if force_backend is not None:
+            stack.enter_context(force_backend(name))
+        if name == "eager":
+            import comfy_kitchen as ck
+
+            stack.enter_context(ck.registry.use_backend("eager"))
+        yield
+
+
+def is_lowbit_linear(module: torch.nn.Module) -> bool:
+    return module.__dict__.get(FORMAT_ATTR) is not None and isinstance(module._parameters.get("weight"), QuantizedTensor)
+
+
+def module_codec(module: torch.nn.Module) -> FormatCodec | None:
+    """The codec that runs ``module``'s weight, or ``None`` when LowBit does not run it."""
+    name = module.__dict__.get(FORMAT_ATTR)
+    return get_format(name) if name is not None else None
+
+
+def _run_every_op() -> None:
+    hook = getattr(comfy.ops, "run_every_op", None)
+    if hook is not None:
+        hook()
+
+
+class LowBitLinearMixin:
+    """LowBit's forward, weight-patch hooks, state dict and device moves for a ComfyUI Linear.
+
+    Mixed in front of a ComfyUI Linear class (a ``comfy.ops.CastWeightBiasOp``). A module whose
+    ``lowbit_format`` is unset behaves exactly like that class.
+    """
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, input, *args, **kwargs):
+        codec = module_codec(self)
+        if codec is None or not isinstance(self.weight, QuantizedTensor):
+            return super().forward(input, *args, **kwargs)
+        _run_every_op()
+        config: LowBitOpsConfig = self.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
+        if self._lowbit_runs_quantized(input, config):
+            return self._lowbit_quantized_forward(input, codec, config)
+        return self._lowbit_dequantized_forward(input)
+
+    def _lowbit_runs_quantized(self, input, config: LowBitOpsConfig) -> bool:
+        return not (
+            isinstance(input, QuantizedTensor)
+            or getattr(self, "quant_format", None) in config.dequantize_formats
+            or getattr(self, "_full_precision_mm", False)
+            or getattr(self, "comfy_force_cast_weights", False)
+            or len(self.weight_function) > 0 or len(self.bias_function) > 0
+            or (input.requires_grad and torch.is_grad_enabled())  # training: float path has autograd
+        )
+
+    def _lowbit_quantized_forward(self, input, codec: FormatCodec, config: LowBitOpsConfig):
+        # Same cast as ComfyUI's weight-only-quant path: keep the weight's own dtype so the
+        # QuantizedTensor moves to the device still quantized; want_requant keeps a Dynamic-VRAM
+        # layer quantized when a LoRA is patched in while it streams.
+        weight, bias, offload_stream = comfy.ops.cast_bias_weight(
+            self, input=None, dtype=self.weight.dtype, device=input.device, bias_dtype=input.dtype,
+            offloadable=True, compute_dtype=input.dtype, want_requant=True)
+        try:
+            if not isinstance(weight, QuantizedTensor):  # ComfyUI dequantized it (CPU-side Dynamic VRAM)
+                return torch.nn.functional.linear(input, weight.to(input.dtype), bias)
+            if weight.dtype != input.dtype:
+                weight = weight.to(dtype=input.dtype)  # metadata only: the output dtype
+            input_scale = getattr(self, "input_scale", None)
+            if input_scale is not None:
+                input_scale = comfy.model_management.cast_to_device(input_scale, input.device, None)
+            with kernel_backend(config.backend):
+                return codec.linear(input, weight, bias, input_scale)
+        finally:
+            comfy.ops.uncast_bias_weight(self, weight, bias, offload_stream)
+
+    def _lowbit_dequantized_forward(self, input):
+        if isinstance(input, QuantizedTensor):
+            input = input.dequantize()
+        weight, bias, offload_stream = comfy.ops.cast_bias_weight(self, input, offloadable=True,
+                                                                  compute_dtype=input.dtype)
+        try:
+            if isinstance(weight, QuantizedTensor):
+                weight = weight.dequantize()
+            return torch.nn.functional.linear(input, weight.to(input.dtype), bias)
+        finally:
+            comfy.ops.uncast_bias_weight(self, weight, bias, offload_stream)
+
+    # ---- weight patches (ModelPatcher.patch_weight_to_device uses convert_/set_weight) -------
+    def convert_weight(self, weight, inplace=False, **kwargs):
+        return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+
+    def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
+        codec = module_codec(self)
+        if codec is None:
+            parent = getattr(super(), "set_weight", None)
+            if parent is not None:
+                return parent(weight, inplace_update=inplace_update, seed=seed, return_weight=return_weight, **kwargs)
+            weight = weight.to(self.weight.dtype)
+        else:
+            weight = requantize(codec, weight, dtype=self.weight.dtype, seed=seed or 0,
+                                layer=self.__dict__.get("seed_key", ""))
+        if return_weight:
+            return weight
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    # ---- checkpoint form ---------------------------------------------------------------------
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False, **kwargs):
+        codec = module_codec(self)
+        if codec is None or not isinstance(self.weight, QuantizedTensor):
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars, **kwargs)
+        sd = destination if destination is not None else {}
+        if self.bias is not None:
+            sd[f"{prefix}bias"] = self.bias if keep_vars else self.bias.detach()
+        sd.update(layer_tensors(codec, prefix[:-1], self.weight))
+        input_scale = getattr(self, "input_scale", None)
+        if input_scale is not None:
+            sd[f"{prefix}input_scale"] = input_scale if keep_vars else input_scale.detach()
+        return sd
+
+    # ---- device moves: re-wrap QuantizedTensor parameters (Module._apply cannot set .data) ---
+    def _apply(self, fn, recurse=True):
+        if module_codec(self) is None:
+            return super()._apply(fn, recurse)
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        for key, param in self._parameters.items():
+            if param is None:
+                continue
+            moved = fn(param)
+            if not torch.is_inference_mode_enabled() and moved.is_inference():
+                moved = moved.clone()
+            self._parameters[key] = torch.nn.Parameter(moved, requires_grad=False)
+        for key, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[key] = fn(buf)
+        return self
+
+
+_SEEDLESS_WARNED: set[str] = set()
+
+
+def requantize(codec: FormatCodec, weight: torch.Tensor, *, dtype: torch.dtype, seed: int = 0,
+               layer: str = "") -> QuantizedTensor:
+    """Quantize a patched float ``weight`` back to ``codec``'s format (ComfyUI's ``set_weight``).
+
+    ``seed > 0`` asks for stochastic rounding, as ComfyUI does when it merges a LoRA into a
+    quantized weight; a format that cannot round stochastically here rounds to nearest (logged once).
+    """
+    compute_dtype = dtype if dtype in COMPUTE_DTYPES else torch.bfloat16
+    try:
+        return codec.quantize(weight, compute_dtype=compute_dtype, seed=seed)
+    except ValueError:
+        if seed <= 0:
+            raise
+        if codec.spec.name not in _SEEDLESS_WARNED:
+            _SEEDLESS_WARNED.add(codec.spec.name)
+            log.warning("LowBit: %s cannot round stochastically with this comfy-kitchen; patched weights "
+                        "(e.g. %s) are rounded to nearest", codec.spec.name, layer or "a LoRA layer")
+        return codec.quantize(weight, compute_dtype=compute_dtype, seed=0)
+
+
+def lowbit_linear_class(base: type, classes: dict[type, type]) -> type:
+    """The subclass of ComfyUI Linear class ``base`` that runs LowBit weights, one per model.
+
+    ``classes`` is the caller's per-model cache (so every layer of one model shares one class and
+    no class outlives the model that made it).
+    """
+    if issubclass(base, LowBitLinearMixin):
+        return base
+    cls = classes.get(base)
+    if cls is None:
+        bases = (LowBitLinearMixin, base)
+        if not issubclass(base, comfy.ops.CastWeightBiasOp):  # a plain torch Linear: give it ComfyUI's cast hooks
+            bases = (LowBitLinearMixin, base, comfy.ops.CastWeightBiasOp)
+        cls = type(f"LowBit{base.__name__}", bases, {"__module__": __name__})
+        classes[base] = cls
+    return cls
+
+
+def lowbit_ops(config: LowBitOpsConfig) -> type:
+    """The ops class of one load: ComfyUI's mixed-precision ops whose Linear runs every LowBit format.
+
+    ``config`` is captured by this call's classes only; two loads never share settings.
+    """
+    if not isinstance(config, LowBitOpsConfig):
+        raise TypeError(f"lowbit_ops needs a LowBitOpsConfig, got {type(config).__name__}")
+    base = comfy.ops.mixed_precision_ops({}, config.compute_dtype, disabled=sorted(config.dequantize_formats))
+
+    class LowBitOps(base):
+        class Linear(LowBitLinearMixin, base.Linear):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.lowbit_config = config
+                self.lowbit_format = None
+
+            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs):
+                raw = state_dict.get(f"{prefix}{COMFY_QUANT}")
+                codec = None if raw is None else _codec_for_layer(prefix[:-1], raw)
+                if codec is None:  # float layer, or a format only ComfyUI runs
+                    return base.Linear._load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                                                              missing_keys, unexpected_keys, error_msgs)
+                _load_lowbit_weight(self, codec, state_dict, prefix, config)
+                torch.nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                                                      missing_keys, unexpected_keys, error_msgs)
+                for key in (f"{prefix}weight", f"{prefix}input_scale"):
+                    if key in missing_keys:
+                        missing_keys.remove(key)
+
+    LowBitOps.__name__ = LowBitOps.__qualname__ = "LowBitOps"
+    return LowBitOps
+
+
+def _codec_for_layer(layer: str, raw: torch.Tensor) -> FormatCodec | None:
+    conf = decode_comfy_quant(layer, raw)
+    try:
+        return format_for_comfy_quant(conf)
+    except UnknownFormatError:
+        from comfy.quant_ops import QUANT_ALGOS
+
+        if conf["format"] in QUANT_ALGOS:
+            return None  # ComfyUI's own loader reads it (nvfp4, mxfp8, float8_e5m2)
+        readable = sorted({*QUANT_ALGOS, *(c.spec.native_format for c in _all_codecs())})
+        raise CheckpointFormatError(
+            f"layer {layer!r} is quantized as {conf['format']!r}, which neither LowBit nor this ComfyUI reads "
+            f"(readable: {', '.join(readable)}). Update ComfyUI-LowBit, or re-export the file in one of those formats."
+        ) from None
+
+
+def _all_codecs():
+    from ..quant.formats import FORMATS
+
+    return FORMATS.values()
+
+
+def _load_lowbit_weight(module, codec: FormatCodec, state_dict, prefix: str, config: LowBitOpsConfig) -> None:
+    """Pop the layer's ``comfy_quant`` and weight tensors and set ``module.weight`` through ``codec``."""
+    layer = prefix[:-1]
+    conf = decode_comfy_quant(layer, state_dict.pop(f"{prefix}{COMFY_QUANT}"))
+    entries = {}
+    for key in list(state_dict):
+        if key.startswith(prefix):
+            suffix = key[len(prefix):]
+            if "." not in suffix and suffix != "bias":
+                entries[suffix] = state_dict.pop(key)
+    known = {*codec.tensor_keys, "input_scale"}
+    ignored = sorted(set(entries) - known)
+    if ignored:
+        log.warning("LowBit: layer %s (%s): ignoring unexpected tensors %s", layer, codec.spec.name, ignored)
+    compute_dtype = config.compute_dtype or module.factory_kwargs.get("dtype") or torch.bfloat16
+    qt = codec.from_state_dict(layer, entries, conf, compute_dtype)
+    device = module.factory_kwargs.get("device")
+    if device is not None:
+        qt = qt.to(device=device)
+    module.weight = torch.nn.Parameter(qt, requires_grad=False)
+    input_scale = entries.get("input_scale")
+    if input_scale is not None:
+        module.register_parameter("input_scale", torch.nn.Parameter(input_scale.float(), requires_grad=False))
+    module.lowbit_format = codec.spec.name
+    module.quant_format = conf["format"]
+    module.layout_type = qt._layout_cls
+    module._full_precision_mm_config = bool(conf.get("full_precision_matrix_mult", False))
+    if module._full_precision_mm_config:
+        module._full_precision_mm = True
+
+
+def mark_quantized(module: torch.nn.Module, codec: FormatCodec, weight: QuantizedTensor,
+                   config: LowBitOpsConfig) -> None:
+    """Make ``module`` (already of a :func:`lowbit_linear_class`) hold ``weight`` and run it as ``codec``."""
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    module.lowbit_format = codec.spec.name
+    module.lowbit_config = config
+    module.quant_format = codec.spec.native_format
+    module.layout_type = weight._layout_cls
+    if "_full_precision_mm" not in module.__dict__:
+        module._full_precision_mm = False
+
+
+__all__ = [
+    "KERNEL_BACKENDS", "LowBitOpsConfig", "LowBitLinearMixin", "default_dequantize_formats", "is_lowbit_linear",
+    "kernel_backend", "lowbit_linear_class", "lowbit_ops", "mark_quantized", "module_codec", "requantize",
+]
