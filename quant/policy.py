@@ -4,16 +4,22 @@ A :class:`Policy` (mode + preset + options, frozen and validated) applied to the
 gives a :class:`Plan`: one :class:`LayerDecision` per weight, printable and testable without a
 model. Precedence, first match wins:
 
-1. not a 2-D ``*.weight``                      → kept as stored (biases, norms, embeddings...)
+1. not a 2-D ``*.weight``                      → kept as stored (biases, norms, embeddings...);
+   in a full checkpoint, a key outside the diffusion model (VAE, text encoders) → kept as stored
 2. matches a preset ``keep_float`` pattern     → float
 3. smaller than ``min_features`` on either side → float
 4. mode ``int4_mixed``: inside the INT8 budget  → ``int8_convrot`` (see below), else ``w4a4``
    mode ``int4_full``: ``w4a4``; any other mode: that format
 5. the chosen format cannot take the shape     → its fallback chain (``w4a4`` → ``int8_convrot`` → ``int8``),
-   with the reason recorded
+   the reason recorded as ``fallback <from> -> <to>: <why each could not> [<why <from> was chosen>]``
+
+Patterns (``keep_float``, ``int4_sensitive``) match the layer name relative to the diffusion model
+(``model.diffusion_model.`` style prefixes stripped, see :func:`presets.model_prefix`), so
+presets anchor them with ``^``; plans and decisions keep the full names.
 
 The ``int4_mixed`` INT8 budget: layers are ranked (preset ``int4_sensitive`` patterns first, in
-pattern order, then the first and last transformer blocks before the middle ones); the top of the
+pattern order, then the first and last blocks of each block list (``double_blocks``,
+``single_blocks``, ``layers``...) before the middle ones); the top of the
 ranking takes INT8 while that keeps the INT8 share of quantized parameters nearest to ``int4_mixed_ratio``. The ranking
 does not depend on the ratio, so lowering the ratio only removes INT8 layers.
 """
@@ -27,7 +33,7 @@ from typing import Iterable, Mapping
 
 from .errors import PolicyError, UnknownFormatError
 from .formats import FORMATS, fallback_chain
-from .presets import Preset, get_preset
+from .presets import Preset, get_preset, model_prefix
 
 POLICY_VERSION = 1
 INT4_MODES = ("int4_mixed", "int4_full")
@@ -113,10 +119,17 @@ class Policy:
     def __post_init__(self):
         if self.mode not in all_modes():
             raise UnknownFormatError(f"unknown mode {self.mode!r}; known modes: {', '.join(all_modes())}")
-        if not 0.0 <= float(self.int4_mixed_ratio) <= 1.0:
-            raise PolicyError(f"int4_mixed_ratio must be between 0 and 1, got {self.int4_mixed_ratio}")
-        if self.min_features < 1:
-            raise PolicyError(f"min_features must be at least 1, got {self.min_features}")
+        ratio = self.int4_mixed_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+            raise PolicyError(f"int4_mixed_ratio is the share of quantized weights kept in INT8 in int4_mixed mode: "
+                              f"a number from 0 to 1, got {ratio!r}")
+        if isinstance(self.min_features, bool) or not isinstance(self.min_features, int) or self.min_features < 1:
+            raise PolicyError(f"min_features must be an integer of at least 1 (layers with fewer input or output "
+                              f"features stay float), got {self.min_features!r}")
+        if not isinstance(self.preset, str):
+            raise PolicyError(f"preset must be a preset name or 'auto', got {self.preset!r}")
+        if self.preset != "auto":
+            get_preset(self.preset)  # an unknown name raises, listing the known presets
         if self.version != POLICY_VERSION:
             raise PolicyError(f"policy version {self.version} is not supported (this LowBit reads version {POLICY_VERSION})")
         object.__setattr__(self, "extra_keep_float", tuple(self.extra_keep_float))
@@ -143,6 +156,7 @@ class Policy:
         """Decide every layer. ``shapes`` maps state-dict keys (``<layer>.weight``...) to shapes."""
         preset = preset or self.resolve_preset(shapes)
         keep = [_compile(p, "keep_float") for p in (*preset.keep_float, *self.extra_keep_float)]
+        prefix = model_prefix(shapes)
         decisions: dict[str, LayerDecision] = {}
         candidates: list[str] = []
         for key, shape in shapes.items():
@@ -150,7 +164,10 @@ class Policy:
                 continue
             name = key[: -len(".weight")]
             shape = tuple(int(d) for d in shape)
-            hit = next((p.pattern for p in keep if p.search(name)), None)
+            if not name.startswith(prefix):
+                decisions[name] = LayerDecision(name, shape, None, f"outside the diffusion model (prefix {prefix!r})")
+                continue
+            hit = next((p.pattern for p in keep if p.search(name[len(prefix):])), None)
             if hit is not None:
                 decisions[name] = LayerDecision(name, shape, None, f"keep_float pattern {hit!r}")
             elif min(shape) < self.min_features:
@@ -159,7 +176,7 @@ class Policy:
                 candidates.append(name)
                 decisions[name] = LayerDecision(name, shape, self.mode, "mode")
         if self.mode == "int4_mixed":
-            int8_layers = _int8_budget(candidates, decisions, preset, self.int4_mixed_ratio)
+            int8_layers = _int8_budget(candidates, decisions, preset, self.int4_mixed_ratio, prefix)
             for name in candidates:
                 d = decisions[name]
                 if name in int8_layers:
@@ -178,7 +195,8 @@ class Policy:
                 continue
             if reasons:
                 decisions[name] = dataclasses.replace(
-                    d, format=codec.spec.name, reason=f"fallback {d.format} -> {codec.spec.name}: {'; '.join(reasons)}")
+                    d, format=codec.spec.name,
+                    reason=f"fallback {d.format} -> {codec.spec.name}: {'; '.join(reasons)} [{d.reason}]")
         return Plan(mode=self.mode, preset=preset.name, layers=tuple(decisions.values()))
 
 
@@ -189,40 +207,60 @@ def _compile(pattern: str, what: str) -> re.Pattern:
         raise PolicyError(f"{what} pattern {pattern!r} is not a valid regular expression: {err}") from None
 
 
-_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:[a-z_]*blocks|layers|transformer_blocks)\.(\d+)\.")
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:[a-z0-9_]*blocks|layers)\.(?:block)?(\d+)\.")
 
 
-def _sensitivity_rank(names: list[str], preset: Preset) -> list[tuple[str, str]]:
-    """Layers from most to least sensitive, each with the reason; independent of the budget."""
+def _block_position(name: str) -> tuple[str, int] | None:
+    """``(block list, index)`` of the first block list in ``name``: ``single_blocks.7.linear1`` → ``("single_blocks", 7)``."""
+    m = _BLOCK_INDEX.search(name)
+    if m is None:
+        return None
+    return name[: m.start(1)], int(m.group(1))
+
+
+def _sensitivity_rank(names: list[str], preset: Preset, prefix: str = "") -> list[tuple[str, str]]:
+    """Layers from most to least sensitive, each with the reason; independent of the budget.
+
+    Layers matching an ``int4_sensitive`` pattern come first, in pattern order; within a pattern,
+    and among the other layers, a block nearer the start or end of its own block list comes
+    first (Flux's last double block counts as an edge although single blocks follow it); layers
+    outside any block list rank with the edge blocks. Ties keep the model's order.
+    """
     sensitive = [_compile(p, "int4_sensitive") for p in preset.int4_sensitive]
-    indices = {}
-    for name in names:
-        m = _BLOCK_INDEX.search(name)
-        indices[name] = int(m.group(1)) if m else None
-    known = [i for i in indices.values() if i is not None]
-    last = max(known) if known else 0
+    relative = {name: name[len(prefix):] if name.startswith(prefix) else name for name in names}
+    positions = {name: _block_position(relative[name]) for name in names}
+    last: dict[str, int] = {}
+    for pos in positions.values():
+        if pos is not None:
+            last[pos[0]] = max(last.get(pos[0], 0), pos[1])
+    hits = {name: next((i for i, p in enumerate(sensitive) if p.search(relative[name])), None) for name in names}
 
     def key(item):
         order, name = item
-        hit = next((i for i, p in enumerate(sensitive) if p.search(name)), None)
-        idx = indices[name]
-        edge = min(idx, last - idx) if idx is not None else 0  # distance from the first/last block
+        hit, pos = hits[name], positions[name]
+        edge = min(pos[1], last[pos[0]] - pos[1]) if pos is not None else 0  # distance from the first/last block
         return (0 if hit is not None else 1, hit if hit is not None else 0, edge, order)
 
-    ranked = sorted(enumerate(names), key=key)
     out = []
-    for order, name in ranked:
-        hit = next((p.pattern for p in sensitive if p.search(name)), None)
-        out.append((name, f"int4_mixed: int8 budget (int4_sensitive {hit!r})" if hit else "int4_mixed: int8 budget (edge block)"))
+    for _, name in sorted(enumerate(names), key=key):
+        hit, pos = hits[name], positions[name]
+        if hit is not None:
+            why = f"int4_sensitive {sensitive[hit].pattern!r}"
+        elif pos is not None:
+            why = f"{min(pos[1], last[pos[0]] - pos[1])} from the first/last of {pos[0].rstrip('.')}"
+        else:
+            why = "outside the block lists"
+        out.append((name, f"int4_mixed: int8 budget ({why})"))
     return out
 
 
-def _int8_budget(names: list[str], decisions: Mapping[str, LayerDecision], preset: Preset, ratio: float) -> dict[str, str]:
+def _int8_budget(names: list[str], decisions: Mapping[str, LayerDecision], preset: Preset, ratio: float,
+                 prefix: str = "") -> dict[str, str]:
     total = sum(decisions[n].params for n in names)
     budget = ratio * total
     chosen: dict[str, str] = {}
     used = 0
-    for name, reason in _sensitivity_rank(names, preset):
+    for name, reason in _sensitivity_rank(names, preset, prefix):
         size = decisions[name].params
         if used + size / 2 > budget:
             break  # a prefix of a fixed ranking: a smaller ratio gives a subset (nearest fill, no skipping)
