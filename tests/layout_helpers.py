@@ -127,10 +127,26 @@ def _kitchen_eager_dequantizers() -> list[tuple[object, str]]:
     return places
 
 
+def _lowbit_dequantize_candidates() -> list[type]:
+    """Classes of LowBit's kernel dispatch that hold a ``_dequant`` candidate (dequantize + float matmul)."""
+    import importlib
+
+    owners = []
+    for module_name in ("lowbit.kernels.w8a8_linear", "lowbit.kernels.w4_linear"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        owners += [obj for obj in vars(module).values()
+                   if isinstance(obj, type) and obj.__module__ == module_name and "_dequant" in vars(obj)]
+    return owners
+
+
 @dataclasses.dataclass
 class DequantizeSpy:
     """Records every dequantization of a quantized weight: kitchen's fallback, ``QuantizedTensor.dequantize``,
-    any layout's ``dequantize`` and any eager-backend ``dequantize*`` kernel."""
+    any layout's ``dequantize``, any eager-backend ``dequantize*`` kernel and the ``dequant`` candidate of
+    LowBit's own kernel dispatch."""
 
     calls: list[str] = dataclasses.field(default_factory=list)
 
@@ -169,6 +185,14 @@ def spy_dequantize() -> Iterator[DequantizeSpy]:
             return _original(kls, qdata, params)
 
         patch(cls, "dequantize", classmethod(spy_layout))
+    for owner in _lowbit_dequantize_candidates():
+        original = vars(owner)["_dequant"]
+
+        def spy_candidate(self, *args, _original=original, _name=owner.__qualname__, **kwargs):
+            spy.calls.append(f"{_name}._dequant")
+            return _original(self, *args, **kwargs)
+
+        patch(owner, "_dequant", spy_candidate)
     for module, name in _kitchen_eager_dequantizers():
         original = getattr(module, name)
 

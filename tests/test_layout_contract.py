@@ -210,6 +210,18 @@ def test_the_dequantize_spy_sees_a_fallback(name, weights):
     assert f"{qweight._layout_cls}.dequantize" in spy.calls
 
 
+@pytest.mark.parametrize("name", ["int8_quarot", "int8_hadanorm", "fp8_rowwise"])
+def test_the_dequantize_spy_sees_lowbits_dequantize_candidate(name, weights):
+    """Our kernel dispatch can also run a layer as dequantize + float matmul; the spy sees that too."""
+    backend = pytest.importorskip("lowbit.kernels.backend")
+    codec = get_format(name)
+    _, qweight = weights(name)
+    x = activation(3, qweight.shape[1], seed=20)
+    with backend.force_backend("dequant"), spy_dequantize() as spy:
+        codec.linear(x, qweight)
+    assert any(call.endswith("._dequant") for call in spy.calls)
+
+
 def test_kitchen_fp8_dequantizes_a_float_activation(weights):
     """Recorded behaviour of comfy-kitchen: its FP8 layout runs the FP8 GEMM only when both operands
     are quantized; F.linear/mm/addmm with a float activation dequantize the weight. The ``fp8`` codec
