@@ -122,11 +122,15 @@ class Problem:
 
 # ---- timing -------------------------------------------------------------------------------------
 
-def _timer(device: torch.device, rep_ms: int):
+def _timer(device: torch.device, rep_ms: int, graph: bool = False):
+    """Median µs per call: ``do_bench`` (eager launches, L2 flushed before each call), or with
+    ``graph`` the replay of a CUDA graph of the calls (GPU time alone, no launch overhead)."""
     if device.type == "cuda":
         import triton.testing
 
         def cuda_time(fn):
+            if graph:
+                return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1000.0
             return triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1000.0
         return cuda_time
 
@@ -149,20 +153,26 @@ def _geomean(values: list[float]) -> float:
 # ---- the benchmark ------------------------------------------------------------------------------
 
 def run_bench(shapes: list[tuple[int, int]], ms: list[int], formats: list[str], device: torch.device,
-              dispatcher: Dispatcher, rep_ms: int, with_kitchen: bool) -> list[dict]:
+              dispatcher: Dispatcher, rep_ms: int, with_kitchen: bool, graph: bool = False) -> list[dict]:
     timer = _timer(device, rep_ms)
+    graph_timer = _timer(device, rep_ms, graph=True) if graph else None
     rows = []
     for n, k in shapes:
         problem = Problem(n, k, device)
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            row = {"n": n, "k": k, "m": m, "bf16_us": timer(lambda: torch.nn.functional.linear(x, problem.w_bf16, problem.bias))}
+            bf16 = lambda: torch.nn.functional.linear(x, problem.w_bf16, problem.bias)  # noqa: E731
+            row = {"n": n, "k": k, "m": m, "bf16_us": timer(bf16)}
+            if graph_timer:
+                row["bf16_graph_us"] = graph_timer(bf16)
             for fmt in formats:
                 fn = problem.ours(fmt)
                 try:
                     with use_dispatcher(dispatcher):
                         fn(x)  # the dispatcher measures its candidates here on first sight of the shape
                         row[f"{fmt}_us"] = timer(lambda: fn(x))
+                        if graph_timer:
+                            row[f"{fmt}_graph_us"] = graph_timer(lambda: fn(x))
                     key = DispatchKey(DISPATCH_FORMAT[fmt], capability(device), m_bucket(m), n, k).as_str()
                     row[f"{fmt}_impl"] = dispatcher.decisions.get(key, "default (not measured)")
                 except Exception as err:  # report and go on: one broken format must not hide the others
@@ -208,7 +218,10 @@ def summary(rows: list[dict], formats: list[str]) -> list[str]:
             ours = _geomean([_ratio(r, f"{fmt}_us") for r in at_m])
             worst = min((_ratio(r, f"{fmt}_us") for r in at_m), default=float("nan"))
             kit = _geomean([_ratio(r, f"{fmt}_kitchen_us") for r in at_m])
-            parts.append(f"{fmt} {ours:.2f}x (min {worst:.2f}, kitchen {kit:.2f}x)")
+            graph = _geomean([r["bf16_graph_us"] / r[f"{fmt}_graph_us"] for r in at_m
+                              if r.get(f"{fmt}_graph_us") and r.get("bf16_graph_us")])
+            parts.append(f"{fmt} {ours:.2f}x (min {worst:.2f}, kitchen {kit:.2f}x"
+                         + (f", graph {graph:.2f}x)" if math.isfinite(graph) else ")"))
         lines.append(f"M={m} geomean vs bf16: " + "; ".join(parts))
     return lines
 
@@ -269,12 +282,12 @@ def sweep(device: torch.device, shapes: list[tuple[int, int]], m: int, rep_ms: i
         t = timer(lambda: act_quant_reference(x, torch.int8, None, "none", 0, None, False))
         out(f"act_quant m={m} k={k} torch-reference {t:.1f}us")
         for rotation, group in (("none", 0), ("regular", 256), ("sylvester", 128)):
-            for tile in (4096, 8192, 16384):
-                for warps in (None, 4) if tile >= 8192 else (None,):
+            for tile, warps in ((None, None), (4096, 4), (16384, 8)):
+                for perm in (0, 128) if rotation == "regular" and tile is None else (0,):
                     try:
-                        t = timer(lambda: act_quant_triton(x, torch.int8, 127.0, rotation, group, None, False,
+                        t = timer(lambda: act_quant_triton(x, torch.int8, 127.0, rotation, group, None, False, perm,
                                                            tile_elements=tile, num_warps=warps))
-                        out(f"act_quant m={m} k={k} {rotation}{group or ''} tile={tile} warps={warps or 'auto'} "
+                        out(f"act_quant m={m} k={k} {rotation}{group or ''} tile={tile or 'auto'} warps={warps or 'auto'} perm={perm} "
                             f"{t:.1f}us {gbytes / t * 1e6:.0f}GB/s")
                     except Exception as err:
                         out(f"act_quant m={m} k={k} {rotation} tile={tile} FAILED {type(err).__name__}: {err}"[:300])
@@ -304,7 +317,7 @@ def sweep(device: torch.device, shapes: list[tuple[int, int]], m: int, rep_ms: i
         for cfg in w4_candidates(cap, m):
             for label, s_rel in (("w4", None), ("w4cb", p.s_rel)):
                 try:
-                    res[f"{label} {cfg.name}"] = timer(lambda: w4a8_mm_triton(
+                    res[f"{label} {cfg.name}"] = timer(lambda: w4a8_mm_triton(  # codes' order does not matter for time
                         q, p.packed, s, p.w4_scale, p.bias, s_rel, table if s_rel is not None else None, 16,
                         torch.bfloat16, cfg))
                 except Exception as err:
@@ -339,11 +352,12 @@ def verify(device: torch.device) -> list[str]:
         if not ok:
             failures.append(f"{name} {detail}")
 
-    for m, k, rotation, group, fp8, smooth, center in [
+    for m, k, rotation, group, fp8, smooth, center, *perm in [
         (300, 3072, "none", 0, False, False, False), (300, 3072, "none", 0, True, False, False),
         (257, 3072, "regular", 256, False, False, False), (64, 12288, "regular", 256, True, False, False),
         (129, 3072, "sylvester", 128, False, True, True), (33, 5120, "sylvester", 128, False, False, False),
-        (8, 13824, "regular", 256, False, False, False), (17, 1000, "none", 0, False, False, True)]:
+        (8, 13824, "regular", 256, False, False, False), (17, 1000, "none", 0, False, False, True),
+        (100, 3072, "regular", 256, False, False, False, 128)]:
         x = (torch.randn(m, k, device=device) * 3).to(torch.bfloat16)
         x[0, 5] = 80.0  # an outlier channel
         sm = torch.rand(k, device=device) + 0.5 if smooth else None
@@ -351,15 +365,20 @@ def verify(device: torch.device) -> list[str]:
         poison = torch.full((m, k), 77 if not fp8 else 0, device=device, dtype=torch.int8)
         if fp8:
             poison = torch.full((m, k), float("nan"), device=device).to(FP8)
-        q, s, mu = act_quant_triton(x, dt, 448.0 if fp8 else 127.0, rotation, group, sm, center, out=poison)
+        perm_block = perm[0] if perm else 0
+        q, s, mu = act_quant_triton(x, dt, 448.0 if fp8 else 127.0, rotation, group, sm, center, perm_block, out=poison)
         qr, sr, mr = act_quant_reference(x, dt, None, rotation, group, sm, center)
+        qr = ops.permute_columns(qr, perm_block)
         diff = (q.float() - qr.float()).abs()
         frac = (diff > 0).float().mean().item()
+        # without rotation or centring the codes are exact; the fused rotation is accurate to ~2^-12 of the
+        # row maximum (fp16 operands), so a few codes sit one step away from the fp32 reference
         exact = rotation == "none" and not center
         near = (diff <= qr.float().abs() * 0.125 + 2**-9).all().item() if fp8 else diff.max().item() <= 1
-        ok = bool(torch.isfinite(q.float()).all()) and (frac == 0 if exact else frac < 0.01 and near)
-        check(f"act_quant m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'} smooth={smooth} center={center}",
-              ok and torch.allclose(s, sr, rtol=1e-5), f"codes differing {frac:.2e}, max {diff.max().item():.0f}")
+        ok = bool(torch.isfinite(q.float()).all()) and (frac == 0 if exact else frac < 0.03 and near)
+        scale_ok = torch.allclose(s, sr, rtol=1e-6 if exact else 2**-10)
+        check(f"act_quant m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'} smooth={smooth} center={center} "
+              f"perm={perm_block}", ok and scale_ok, f"codes differing {frac:.2e}, max {diff.max().item():.0f}")
 
     def close_bf16(out, ref):  # same fp32 math, rounded once to bf16 (an FMA may move the last bit)
         diff = (out.float() - ref.float()).abs()
@@ -403,10 +422,11 @@ def verify(device: torch.device) -> list[str]:
         bias = torch.randn(n, device=device, dtype=torch.bfloat16)
         for codebook in (False, True):
             args = (s_rel, table) if codebook else (None, None)
-            ref = ops.w4a8_mm(a, packed, sa, sw, bias, *args, 16, torch.bfloat16, "eager")
+            ref = ops.w4a8_mm(a, packed, sa, sw, bias, *args, 16, 0, torch.bfloat16, "eager")
             for cfg in w4_candidates(cap, m):
                 poison = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
-                out = w4a8_mm_triton(a, packed, sa, sw, bias, *args, 16, torch.bfloat16, cfg, out=poison)
+                a_perm = ops.permute_columns(a, cfg.block_k)
+                out = w4a8_mm_triton(a_perm, packed, sa, sw, bias, *args, 16, torch.bfloat16, cfg, out=poison)
                 check(f"w4 gemm codebook={codebook} m={m} n={n} k={k} {cfg.name}", close_bf16(out, ref))
     return failures
 
@@ -422,6 +442,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write every measurement to this JSON file")
     p.add_argument("--rep-ms", type=int, default=60, help="milliseconds of timed repetitions per measurement")
     p.add_argument("--no-kitchen", action="store_true", help="skip comfy-kitchen's linears")
+    p.add_argument("--graph", action="store_true", help="also time ours and bf16 as CUDA-graph replays (GPU time only)")
     p.add_argument("--verify", action="store_true", help="check every Triton kernel against its reference first")
     p.add_argument("--sweep", type=int, default=0, metavar="M",
                    help="also time the pieces (act-quant variants, every GEMM config alone, cuBLAS) at this M")
@@ -448,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         print(f"device {torch.cuda.get_device_name(device)} sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}, "
               f"torch {torch.__version__}, {triton_status().reason}", flush=True)
+    failures = []
     if args.prewarm:
         prewarm(formats, shapes, device, args.prewarm)
     if args.verify:
@@ -458,13 +480,14 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             failures = []
         if failures:
-            print(f"{len(failures)} kernel check(s) failed; not benchmarking", file=sys.stderr)
-            return 1
-    sweep_lines = sweep(device, shapes, args.sweep, args.rep_ms) if args.sweep else []
+            print(f"{len(failures)} kernel check(s) failed (benchmarking anyway):\n  " + "\n  ".join(failures), flush=True)
+    sweep_shapes = [shape for shape in shapes if shape in SHAPE_SETS["issue"]] or shapes
+    sweep_lines = sweep(device, sweep_shapes, args.sweep, args.rep_ms) if args.sweep else []
     dispatcher = Dispatcher(cache_path=args.cache)
     print(_format_header(formats), flush=True)
     with force_backend(Backend.AUTO):
-        rows = run_bench(shapes, ms, formats, device, dispatcher, args.rep_ms, not args.no_kitchen)
+        rows = run_bench(shapes, ms, formats, device, dispatcher, args.rep_ms, not args.no_kitchen,
+                         args.graph and device.type == "cuda")
     lines = summary(rows, formats)
     for line in lines:
         print(line)
@@ -473,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "decisions": dispatcher.decisions,
                                                "timings_us": dispatcher.timings_us, "failures": dispatcher.failures},
                                               indent=1, default=str))
-    return 0
+    return 1 if args.verify and failures else 0
 
 
 if __name__ == "__main__":

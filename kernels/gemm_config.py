@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # shared memory per block (bytes) by compute capability; Triton needs a little for itself
 _SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024}
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?$")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class GemmConfig:
     swap_ab: bool = False  # W4 kernel only: decoded weight as the left operand (output tile transposed)
     tma: bool = False  # W8A8 kernel only, sm_90: operand tiles through TMA tensor descriptors
     warp_specialize: bool = False  # with tma: Triton's producer/consumer warp specialization
+    persistent: bool = False  # with tma: one program per SM looping over output tiles
 
     def __post_init__(self):
         for value, what in ((self.block_m, "block_m"), (self.block_n, "block_n"), (self.block_k, "block_k")):
@@ -37,7 +38,8 @@ class GemmConfig:
     def name(self) -> str:
         base = (f"{self.block_m}x{self.block_n}x{self.block_k}-g{self.group_m}"
                 f"-w{self.num_warps}-s{self.num_stages}")
-        return base + ("-swap" if self.swap_ab else "") + ("-tma" if self.tma else "") + ("-ws" if self.warp_specialize else "")
+        return (base + ("-swap" if self.swap_ab else "") + ("-tma" if self.tma else "")
+                + ("-ws" if self.warp_specialize else "") + ("-persistent" if self.persistent else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "GemmConfig":
@@ -46,7 +48,7 @@ class GemmConfig:
             raise ValueError(f"not a GEMM config name: {name!r} (expected like '128x256x128-g8-w8-s3')")
         bm, bn, bk, g, w, s = (int(v) for v in match.groups()[:6])
         return cls(bm, bn, bk, g, w, s, swap_ab=match.group(7) is not None, tma=match.group(8) is not None,
-                   warp_specialize=match.group(9) is not None)
+                   warp_specialize=match.group(9) is not None, persistent=match.group(10) is not None)
 
     def smem_bytes(self, a_bytes: float = 1.0, b_bytes: float = 1.0) -> int:
         """Pipeline buffers: ``num_stages`` A and B tiles (element sizes in bytes)."""
@@ -68,17 +70,20 @@ C = GemmConfig
 # Large M: 128x256 tiles (the issue's untuned start), deeper pipelines, 256-row tiles, and the same
 # through TMA descriptors (sm_90 only).
 _W8A8_LARGE = (
-    C(128, 256, 128, 8, 8, 3), C(128, 256, 128, 8, 8, 4), C(256, 128, 128, 8, 8, 3), C(128, 256, 64, 8, 8, 5),
+    C(128, 256, 128, 8, 8, 3), C(128, 256, 128, 8, 8, 4), C(256, 128, 128, 8, 8, 3),
     C(128, 256, 128, 8, 8, 3, tma=True), C(128, 256, 128, 8, 8, 4, tma=True), C(256, 128, 128, 8, 8, 3, tma=True),
+    C(128, 256, 128, 8, 8, 3, tma=True, persistent=True), C(128, 256, 128, 8, 8, 4, tma=True, persistent=True),
+    C(256, 128, 128, 8, 8, 3, tma=True, persistent=True),
 )
 # Small M (<= 1024 rows): smaller tiles so the grid fills 132 SMs.
 _W8A8_SMALL = (
     C(64, 128, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4), C(64, 256, 128, 8, 8, 3), C(128, 64, 128, 8, 4, 4),
     C(128, 128, 128, 8, 4, 4, tma=True), C(64, 128, 128, 8, 4, 4, tma=True),
 )
+# The 4-bit GEMM: the packed weight tile is half the bytes, the decode wants more rows per weight tile.
 _W4_LARGE = (
-    C(128, 256, 128, 8, 8, 3), C(256, 128, 128, 8, 8, 3), C(128, 128, 128, 8, 8, 4),
-    C(128, 256, 128, 8, 8, 3, swap_ab=True), C(128, 128, 128, 8, 4, 4, swap_ab=True), C(256, 128, 64, 8, 8, 4),
+    C(128, 256, 128, 8, 8, 3), C(256, 128, 128, 8, 8, 3), C(256, 128, 128, 8, 8, 4), C(128, 128, 128, 8, 8, 4),
+    C(128, 128, 128, 8, 4, 4, swap_ab=True), C(128, 256, 64, 8, 8, 4),
 )
 _W4_SMALL = (
     C(64, 128, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4), C(64, 256, 128, 8, 8, 3),

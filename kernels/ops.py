@@ -31,16 +31,26 @@ def _op_defined(name: str) -> bool:
 
 # ---- act_quant ----------------------------------------------------------------------------------
 
+def permute_columns(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Reorder the columns of every ``block``-wide block evens first, then odds (``block`` 0: as is)."""
+    if not block:
+        return t
+    rows, cols = t.shape
+    return t.reshape(rows, cols // block, block // 2, 2).transpose(-1, -2).reshape(rows, cols)
+
+
 def _act_quant_impl(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotation: str, group_size: int,
-                    smooth: torch.Tensor | None, center: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    smooth: torch.Tensor | None, center: bool, perm_block: int,
+                    impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if impl == "eager":
-        return act_quant_reference(x, out_dtype, qmax, rotation, group_size, smooth, center)
+        q, scale, mean = act_quant_reference(x, out_dtype, qmax, rotation, group_size, smooth, center)
+        return permute_columns(q, perm_block), scale, mean
     from .triton_act_quant import act_quant_triton
 
-    return act_quant_triton(x, out_dtype, qmax, rotation, group_size, smooth, center)
+    return act_quant_triton(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block)
 
 
-def _act_quant_fake(x, out_dtype, qmax, rotation, group_size, smooth, center, impl):
+def _act_quant_fake(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, impl):
     m, k = x.shape
     return (x.new_empty((m, k), dtype=out_dtype), x.new_empty((m, 1), dtype=torch.float32),
             x.new_empty((m, 1 if center else 0), dtype=torch.float32))
@@ -78,17 +88,23 @@ def decode_w4_reference(packed: torch.Tensor, s_rel: torch.Tensor | None, table:
 
 def _w4a8_mm_impl(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None, s_rel: torch.Tensor | None, table: torch.Tensor | None,
-                  group_size: int, out_dtype: torch.dtype, impl: str) -> torch.Tensor:
+                  group_size: int, perm_block: int, out_dtype: torch.dtype, impl: str) -> torch.Tensor:
+    """``a``'s columns are permuted in blocks of ``perm_block`` (see ``permute_columns``); a Triton
+    ``impl`` needs ``perm_block`` equal to its K tile."""
     if impl == "eager":
-        weight = decode_w4_reference(packed, s_rel, table, group_size)
+        weight = permute_columns(decode_w4_reference(packed, s_rel, table, group_size), perm_block)
         return scaled_mm_reference(a, weight, a_scale, w_scale, bias, None, None, out_dtype)
     from .gemm_config import config_named
     from .triton_w4_gemm import w4a8_mm_triton
 
-    return w4a8_mm_triton(a, packed, a_scale, w_scale, bias, s_rel, table, group_size, out_dtype, config_named(impl))
+    config = config_named(impl)
+    if perm_block != config.block_k:
+        raise ValueError(f"the Triton 4-bit GEMM {impl} needs activations permuted in blocks of {config.block_k}, "
+                         f"got {perm_block}")
+    return w4a8_mm_triton(a, packed, a_scale, w_scale, bias, s_rel, table, group_size, out_dtype, config)
 
 
-def _w4a8_mm_fake(a, packed, a_scale, w_scale, bias, s_rel, table, group_size, out_dtype, impl):
+def _w4a8_mm_fake(a, packed, a_scale, w_scale, bias, s_rel, table, group_size, perm_block, out_dtype, impl):
     return a.new_empty((a.shape[0], packed.shape[0]), dtype=out_dtype)
 
 

@@ -20,7 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
+import functools
+
 from .gemm_config import GemmConfig
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the CPU interpreter: a few programs, so the persistent loop is exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -127,6 +136,45 @@ def _w8a8_mm_tma_kernel(
               offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
 
 
+@triton.jit
+def _w8a8_mm_persistent_kernel(
+    a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+    M, N, K, stride_cm,
+    B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """sm_90 persistent variant: one program per SM walks the output tiles; with ``flatten`` the
+    pipeliner overlaps a tile's epilogue with the next tile's TMA loads."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_group = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        group = tile // per_group
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if ACC_INT32:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_tiles):
+            a = a_desc.load([off_m, k * BLOCK_K])
+            b = b_desc.load([off_n, k * BLOCK_K])
+            if ACC_INT32:
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.float32)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+                  offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+
+
 def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                    bias: torch.Tensor | None, row_shift: torch.Tensor | None, col_shift: torch.Tensor | None,
                    out_dtype: torch.dtype, config: GemmConfig, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,7 +187,8 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     out = torch.empty((m, n), dtype=out_dtype, device=a.device) if out is None else out
     if m == 0 or n == 0:
         return out
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    grid = (tiles,)
     epilogue_args = (bias if bias is not None else a_scale, row_shift if row_shift is not None else a_scale,
                      col_shift if col_shift is not None else a_scale)
     flags = dict(B_SCALE_PER_N=b_scale.numel() != 1, HAS_BIAS=bias is not None, HAS_SHIFT=row_shift is not None,
@@ -151,8 +200,13 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
 
         a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
         b_desc = TensorDescriptor.from_tensor(b, [config.block_n, config.block_k])
-        _w8a8_mm_tma_kernel[grid](a_desc, b_desc, out, a_scale, b_scale, *epilogue_args, m, n, k, out.stride(0),
-                                  WARP_SPECIALIZE=config.warp_specialize, **flags)
+        if config.persistent:
+            programs = min(tiles, _sm_count(a.device))
+            _w8a8_mm_persistent_kernel[(programs,)](a_desc, b_desc, out, a_scale, b_scale, *epilogue_args, m, n, k,
+                                                    out.stride(0), NUM_PROGRAMS=programs, **flags)
+        else:
+            _w8a8_mm_tma_kernel[grid](a_desc, b_desc, out, a_scale, b_scale, *epilogue_args, m, n, k, out.stride(0),
+                                      WARP_SPECIALIZE=config.warp_specialize, **flags)
     else:
         _w8a8_mm_kernel[grid](a, b, out, a_scale, b_scale, *epilogue_args, m, n, k, a.stride(0), b.stride(0),
                               out.stride(0), EVEN_K=k % config.block_k == 0, **flags)

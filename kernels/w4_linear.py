@@ -21,11 +21,13 @@ import torch
 
 from . import dispatch, ops
 from .backend import Backend, active_backend, capability, interpreting, triton_problem
-from .gemm_config import default_config, w4_candidates
+from .gemm_config import config_named, default_config, w4_candidates
 from .hadamard import rotate_blocks
 from .reference import FP8, INT4_MAX, INT8_MAX, decode_w4a8_levels, unpack_int4_signed, w4a8_level_table
 
-_tables: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
+# id(codebook) -> (weak reference to it, its table). Keyed by identity: a WeakKeyDictionary would
+# compare tensors with ``==`` on a hash collision.
+_tables: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 _default_tables: dict[torch.device, torch.Tensor] = {}
 
 
@@ -35,11 +37,12 @@ def level_table(codebook: torch.Tensor | None, device: torch.device) -> torch.Te
         if device not in _default_tables:
             _default_tables[device] = w4a8_level_table(None, device)
         return _default_tables[device]
-    table = _tables.get(codebook)
-    if table is None or table.device != device:
-        table = w4a8_level_table(codebook, device)
-        _tables[codebook] = table
-    return table
+    entry = _tables.get(id(codebook))
+    if entry is None or entry[0]() is not codebook or entry[1].device != device:
+        key = id(codebook)
+        entry = (weakref.ref(codebook, lambda _ref, key=key: _tables.pop(key, None)), w4a8_level_table(codebook, device))
+        _tables[key] = entry
+    return entry[1]
 
 
 def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscales: torch.Tensor, bias: torch.Tensor | None = None,
@@ -133,22 +136,23 @@ class _W4Plan:
     def make(self, name: str):
         if name.startswith("triton:"):
             config = name.split(":", 1)[1]
-            return lambda: self._quantized("triton", config)
+            return lambda: self._quantized("triton", config, config_named(config).block_k)
         if name == "eager":
-            return lambda: self._quantized("eager", "eager")
+            return lambda: self._quantized("eager", "eager", 0)
         if name == "kitchen":
             return self._kitchen
         if name == "dequant":
             return self._dequant
         raise KeyError(f"unknown 4-bit implementation {name!r}")
 
-    def _quantized(self, act_impl: str, mm_impl: str) -> torch.Tensor:
+    def _quantized(self, act_impl: str, mm_impl: str, perm_block: int) -> torch.Tensor:
         if self.correction is not None and mm_impl == "eager":
             return self._dequant()  # the asymmetric correction is not an INT8 product (kitchen does the same)
-        q, scale, _ = ops.act_quant(self.x, torch.int8, self.qmax, "regular", self.rot_group, None, False, act_impl)
+        q, scale, _ = ops.act_quant(self.x, torch.int8, self.qmax, "regular", self.rot_group, None, False,
+                                    perm_block, act_impl)
         table = level_table(self.codebook, self.device) if self.s_rel is not None else None
         return ops.w4a8_mm(q, self.packed, scale, self.w_scale, self.bias, self.s_rel, table, self.group_size,
-                           self.out_dtype, mm_impl)
+                           perm_block, self.out_dtype, mm_impl)
 
     def _kitchen(self) -> torch.Tensor:
         import comfy_kitchen as ck

@@ -160,7 +160,7 @@ class _Plan:
     def _act_quant(self, impl: str):
         pre = self.pre
         return ops.act_quant(self.x, self.code_dtype, self.qmax, pre.rotation, pre.group_size, pre.smooth,
-                             pre.center_rowsum is not None, impl)
+                             pre.center_rowsum is not None, 0, impl)
 
     def _quantized(self, act_impl: str, mm_impl: str) -> torch.Tensor:
         q, scale, mean = self._act_quant(act_impl)
