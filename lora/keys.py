@@ -25,7 +25,7 @@ keys all work through it.
 
 Entries that are not a plain additive low-rank pair on a 2-D weight - LoHa, LoKr, DoRA
 (``dora_scale``), LoCon ``lora_mid``, OFT/BOFT, GLoRA, full ``diff``/``set_weight``, ``reshape_weight``,
-conv LoRAs, row slices on another dimension - are returned as *adapter* prefixes for ComfyUI's
+conv LoRAs or LoRAs on conv layers, row slices on another dimension - are returned as *adapter* prefixes for ComfyUI's
 weight adapters (dequantize -> adapter -> requantize). Every key that matches no layer, has no
 partner, or does not fit its layer's shape is listed in ``unmatched`` with the reason - never
 silently dropped.
@@ -162,8 +162,9 @@ def parse_lora(lora: Mapping[str, torch.Tensor], key_map: Mapping[str, object], 
                              for k in keys.values())
             continue
         up, down = lora[keys[up_suffix]], lora[keys[down_suffix]]
-        if up.dim() != 2 or down.dim() != 2:  # conv LoRA: ComfyUI's adapter reshapes it
-            adapters[prefix] = target
+        target_shape = None if shapes is None else shapes.get(weight_key)
+        if up.dim() != 2 or down.dim() != 2 or (target_shape is not None and len(target_shape) != 2):
+            adapters[prefix] = target  # conv LoRA or conv layer: ComfyUI's adapter reshapes it
             continue
         alpha = float(lora[keys[ALPHA]].item()) if ALPHA in keys else None
         try:
@@ -196,8 +197,6 @@ def _shape_problem(delta: LowRankDelta, weight_key: str, shapes: Mapping[str, Se
     shape = shapes.get(weight_key)
     if shape is None:
         return f"target {weight_key!r} is not in the model"
-    if len(shape) != 2:
-        return f"target {weight_key!r} has shape {tuple(shape)}, not a linear weight"
     try:
         delta.check_fits((int(shape[0]), int(shape[1])), weight_key)
     except ValueError as err:

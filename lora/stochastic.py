@@ -196,3 +196,25 @@ def _requantize(codec: FormatCodec, qt: QuantizedTensor, deltas, seed: int | Non
 
 def _layout_takes_seed(qt: QuantizedTensor) -> bool:
     return "stochastic_rounding" in inspect.signature(qt.layout_cls.quantize).parameters
+
+
+def codec_for_weight(qt: QuantizedTensor) -> FormatCodec:
+    """The registered codec that produces ``qt``'s layout (``int8`` vs ``int8_convrot`` by its flag)."""
+    from ..quant.formats import FORMATS
+
+    matches = [c for c in FORMATS.values() if c.spec.layout == qt._layout_cls]
+    if qt._layout_cls == int8_tensorwise.LAYOUT:
+        matches = [c for c in matches if c.convrot == bool(getattr(qt._params, "convrot", False))]
+    if not matches:
+        raise ValueError(f"no LowBit format stores weights as {qt._layout_cls}; LoRAs cannot be merged into it "
+                         f"stochastically. Use Standard or Dynamic mode for this model.")
+    return matches[0]
+
+
+def merge_float(weight: torch.Tensor, deltas: Sequence[Delta], *, layer: str = "") -> torch.Tensor:
+    """A float weight plus the fp32 sum of ``deltas``, in the weight's dtype (layers kept in float)."""
+    active = [d for d in deltas if d.strength != 0]
+    if not active:
+        return weight
+    total = sum_deltas(active, tuple(weight.shape), device=weight.device, layer=layer)
+    return (weight.float() + total).to(weight.dtype)

@@ -171,3 +171,11 @@ def test_deltas_at_a_strength():
     parsed = parse_lora({f"{prefix}.lora_down.weight": down, f"{prefix}.lora_up.weight": up}, key_map())
     (delta,) = parsed.deltas(0.25)[PROJ]
     assert delta.strength == 0.25 and _only_delta(parsed, PROJ).strength == 1.0
+
+
+def test_a_pair_on_a_conv_layer_goes_to_comfyui_adapters():
+    shapes = {**SHAPES, "diffusion_model.img_in.weight": (HIDDEN, 16, 1, 1)}  # a 1x1 conv in some architectures
+    lora = {"lora_unet_img_in.lora_down.weight": torch.randn(4, 16), "lora_unet_img_in.lora_up.weight": torch.randn(HIDDEN, 4)}
+    parsed = parse_lora(lora, key_map(), shapes=shapes)
+    assert parsed.low_rank == {} and parsed.adapters == {"lora_unet_img_in": "diffusion_model.img_in.weight"}
+    assert parsed.unmatched == ()

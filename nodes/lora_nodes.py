@@ -1,0 +1,451 @@
+"""LoRA nodes (LowBit): a LoRA stack applied to a (quantized) MODEL in one of three modes.
+
+Nodes: **LoRA Stack Entry** (a file and a strength), **Apply LoRA Stack** (a mode and an autogrowing
+list of up to 100 entries, applied in slot order; strength 0 or a bypassed entry is off), **Load
+LoRA** (one file) and **Load LoRA Stack** (ten fixed slots).
+
+Modes (see ``lora/``):
+
+* ``stochastic`` - per layer, every delta of the stack summed in fp32 in the layer's stored basis
+  and rounded once, stochastically, into the quantized weight (the scale grows where it would
+  saturate). Runs as fast as the base model. The merge runs when ComfyUI loads the model and is
+  undone when it unloads it; the base weights are never modified in place.
+* ``dynamic`` - weights untouched; each LoRA'd layer adds ``((x @ A.T) * s) @ B.T`` with all of its
+  LoRAs' ranks in one pair. Changing strengths only rewrites the per-rank scale ``s`` in place.
+* ``standard`` - ComfyUI's own weight patches (``ModelPatcher.add_patches``): dequantize, add,
+  requantize with ComfyUI's seeded rounding. For comparison and for anything else.
+
+Attach/detach follow the ModelPatcher through one ``PatcherInjection`` (key :data:`INJECTION_KEY`)
+holding every LowBit stack of that patcher, undone last-in first-out. LoRA files are read once
+and kept in a small cache (:class:`LoraFileCache`, by path, size and mtime), so re-running a
+workflow with a changed strength reads neither the LoRA nor the base model again.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from comfy_api.latest import io
+
+from ..lora.attach import DynamicLoras, StochasticMerge
+from ..lora.delta import DenseDelta
+from ..lora.keys import ParsedLora, parse_lora
+from ..lora.stack import StackSlot, active_slots, adapter_plan, low_rank_plan, stack_report
+from ..quant.errors import LowBitError
+from . import CATEGORY
+
+log = logging.getLogger(__name__)
+
+MODES = ("stochastic", "dynamic", "standard")
+DEFAULT_MODE = "stochastic"
+MAX_STACK = 100  # io.Autogrow's limit
+FIXED_SLOTS = 10
+NONE = "None"
+INJECTION_KEY = "lowbit_lora"
+#: LoRA key prefixes of text encoders: these nodes patch the diffusion model only
+TEXT_ENCODER_PREFIXES = ("lora_te", "text_encoder", "text_encoders.", "lora_clip", "te_", "clip_")
+MODE_TOOLTIP = ("stochastic: merge all LoRAs into the quantized weights with one unbiased rounding (full speed; "
+                "weak LoRAs survive, strong ones do not clip). dynamic: keep weights, add the LoRAs at run time "
+                "(strength changes are instant, never re-quantize). standard: ComfyUI's own LoRA patching.")
+STRENGTH = dict(default=1.0, min=-100.0, max=100.0, step=0.01)
+
+LoraEntryType = io.Custom("LOWBIT_LORA")
+
+
+class LoraInputError(LowBitError):
+    """A LoRA node input that cannot work (a missing file, an unknown mode)."""
+
+
+@dataclass(frozen=True)
+class LoraEntry:
+    """One stack slot as it travels between nodes: the file and its strength."""
+
+    lora_name: str
+    path: str
+    strength: float
+
+
+# ---- LoRA files -------------------------------------------------------------------------------
+
+class LoraFileCache:
+    """LoRA state dicts keyed by (path, size, mtime); least recently used dropped past the limits."""
+
+    def __init__(self, max_files: int = 16, max_bytes: int = 4 << 30):
+        self.max_files, self.max_bytes = max_files, max_bytes
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.reads = 0  # files actually read from disk (tests and logs)
+
+    @staticmethod
+    def file_key(path: str) -> tuple:
+        st = os.stat(path)
+        return (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+    def load(self, path: str) -> tuple[tuple, dict[str, torch.Tensor]]:
+        """``(file key, state dict)`` of a LoRA file, converted as ComfyUI converts LoRAs."""
+        import comfy.lora_convert
+        import comfy.utils
+
+        key = self.file_key(path)
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return key, self._items[key]
+        state_dict = comfy.lora_convert.convert_lora(comfy.utils.load_torch_file(path, safe_load=True))
+        with self._lock:
+            self.reads += 1
+            self._items[key] = state_dict
+            self._evict()
+        return key, state_dict
+
+    def _evict(self) -> None:
+        def size(sd):
+            return sum(t.numel() * t.element_size() for t in sd.values())
+
+        while len(self._items) > self.max_files or (
+                len(self._items) > 1 and sum(size(sd) for sd in self._items.values()) > self.max_bytes):
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+LORA_FILES = LoraFileCache()
+
+
+@dataclass
+class _ModelKeys:
+    key_map: dict
+    shapes: dict
+    parsed: collections.OrderedDict  # file key -> ParsedLora
+    dynamic: collections.OrderedDict  # (stack position, slot names and file keys) -> DynamicLoras
+
+
+_MODEL_KEYS: "weakref.WeakKeyDictionary[torch.nn.Module, _ModelKeys]" = weakref.WeakKeyDictionary()
+
+
+def model_keys(model_patcher) -> _ModelKeys:
+    """The LoRA key map and weight shapes of a model (cached per diffusion model object)."""
+    import comfy.lora
+
+    base = model_patcher.model
+    info = _MODEL_KEYS.get(base)
+    if info is None:
+        key_map = comfy.lora.model_lora_keys_unet(base, {})
+        shapes = {f"{name}.weight": tuple(module.weight.shape) for name, module in base.named_modules()
+                  if isinstance(getattr(module, "weight", None), torch.Tensor)}
+        info = _ModelKeys(key_map, shapes, collections.OrderedDict(), collections.OrderedDict())
+        _MODEL_KEYS[base] = info
+    return info
+
+
+def parsed_lora(info: _ModelKeys, file_key: tuple, state_dict) -> ParsedLora:
+    parsed = info.parsed.get(file_key)
+    if parsed is None:
+        parsed = parse_lora(state_dict, info.key_map, shapes=info.shapes, skip_prefixes=TEXT_ENCODER_PREFIXES)
+        info.parsed[file_key] = parsed
+        while len(info.parsed) > 32:
+            info.parsed.popitem(last=False)
+    else:
+        info.parsed.move_to_end(file_key)
+    return parsed
+
+
+def lora_path(lora_name: str) -> str:
+    import folder_paths
+
+    path = folder_paths.get_full_path("loras", lora_name)
+    if path is None:
+        raise LoraInputError(f"LoRA {lora_name!r} not found in models/loras; fix: put the file there (or in a folder "
+                             f"extra_model_paths.yaml lists) and refresh the node list.")
+    return path
+
+
+# ---- applying a stack -------------------------------------------------------------------------
+
+class LoraInjection:
+    """Every LowBit LoRA stack of one patcher, attached in order and detached in reverse.
+
+    Stored as the patcher's ``INJECTION_KEY`` injection (ComfyUI's ``PatcherInjection`` protocol:
+    ``inject(patcher)`` / ``eject(patcher)``). A chained stack makes a new one with one more applier.
+    """
+
+    def __init__(self, appliers: tuple = ()):
+        self.appliers = tuple(appliers)
+
+    def inject(self, patcher) -> None:
+        done = []
+        try:
+            for applier in self.appliers:
+                applier.attach(patcher)
+                done.append(applier)
+        except Exception:
+            for applier in reversed(done):
+                applier.detach(patcher)
+            raise
+
+    def eject(self, patcher) -> None:
+        for applier in reversed(self.appliers):
+            applier.detach(patcher)
+
+
+class _DynamicApplier:
+    def __init__(self, loras: DynamicLoras, strengths: dict[str, float], bypass: list):
+        self.loras, self.strengths, self.bypass = loras, strengths, bypass
+
+    def attach(self, patcher) -> None:
+        self.loras.set_strengths(self.strengths)
+        self.loras.attach(patcher.load_device)
+        for injection in self.bypass:
+            injection.inject(patcher)
+
+    def detach(self, patcher) -> None:
+        for injection in reversed(self.bypass):
+            injection.eject(patcher)
+        self.loras.detach()
+
+
+class _StochasticApplier:
+    def __init__(self, merge: StochasticMerge):
+        self.merge = merge
+
+    def attach(self, patcher) -> None:
+        self.merge.attach(patcher.load_device, patcher.offload_device)
+
+    def detach(self, patcher) -> None:
+        self.merge.detach()
+
+
+def apply_lora_stack(model_patcher, entries: Sequence[LoraEntry | None], mode: str, seed: int = 0):
+    """A clone of ``model_patcher`` with the stack applied in ``mode``; also returns a text report."""
+    if mode not in MODES:
+        raise LoraInputError(f"LoRA mode {mode!r} is not one of {', '.join(MODES)}")
+    entries = [e for e in entries if e is not None]
+    info = model_keys(model_patcher)
+    slots, files = [], {}
+    for index, entry in enumerate(entries):
+        name = f"{index + 1}:{entry.lora_name}"
+        if entry.strength == 0:
+            slots.append(StackSlot(name, ParsedLora({}, {}, (), 0, 0), 0.0))
+            continue
+        file_key, state_dict = LORA_FILES.load(entry.path)
+        files[name] = (file_key, state_dict)
+        slots.append(StackSlot(name, parsed_lora(info, file_key, state_dict), float(entry.strength)))
+    report = stack_report(slots, mode)
+    for line in report.splitlines():
+        log.info("LowBit: %s", line)
+
+    patcher = model_patcher.clone()
+    active = active_slots(slots)
+    if not active:
+        return patcher, report
+    if mode == "standard":
+        import comfy.lora
+
+        for slot in active:
+            patches = comfy.lora.load_lora(files[slot.name][1], info.key_map, log_missing=False)
+            patcher.add_patches(patches, slot.strength)
+        return patcher, report
+
+    previous = patcher.get_injections(INJECTION_KEY) or []
+    chain = previous[0].appliers if previous else ()
+    if mode == "dynamic":
+        applier = _dynamic_applier(patcher, info, active, files, position=len(chain))
+    else:
+        applier = _stochastic_applier(patcher, info, active, files, seed)
+    patcher.set_injections(INJECTION_KEY, [LoraInjection(chain + (applier,))])
+    patcher.is_injected = False  # the clone's modules are not hooked yet, whatever its parent's state
+    return patcher, report
+
+
+def _dynamic_applier(patcher, info: _ModelKeys, active, files, position: int) -> _DynamicApplier:
+    key = (position, tuple((s.name, files[s.name][0]) for s in active))
+    loras = info.dynamic.get(key)
+    if loras is None:
+        loras = DynamicLoras(patcher.model, low_rank_plan(active))
+        info.dynamic[key] = loras
+        while len(info.dynamic) > 4:  # a patcher still holding an evicted set keeps it alive
+            info.dynamic.popitem(last=False)
+    else:
+        info.dynamic.move_to_end(key)
+    bypass = []
+    adapters = adapter_plan(active)
+    if adapters:
+        import comfy.lora
+        from comfy.weight_adapter.bypass import BypassInjectionManager
+
+        manager = BypassInjectionManager()
+        for slot, prefixes in adapters:
+            for target, adapter in comfy.lora.load_lora(files[slot.name][1], prefixes, log_missing=False).items():
+                if isinstance(target, str):
+                    manager.add_adapter(target, adapter, strength=slot.strength)
+                else:
+                    log.warning("LowBit: %s: %s on a slice of %s cannot run in dynamic mode; use stochastic or "
+                                "standard for this LoRA", slot.name, type(adapter).__name__, target[0])
+        bypass = manager.create_injections(patcher.model)
+    return _DynamicApplier(loras, {s.name: s.strength for s in active}, bypass)
+
+
+def _stochastic_applier(patcher, info: _ModelKeys, active, files, seed: int) -> _StochasticApplier:
+    try:
+        from .comfy_ops import module_codec
+    except ImportError:  # the ops adapter names no codec: derive it from each weight's layout
+        module_codec = None
+
+    dense: dict[str, list] = {}
+    adapters = adapter_plan(active)
+    if adapters:
+        import comfy.lora
+
+        for slot, prefixes in adapters:
+            for target, patch in comfy.lora.load_lora(files[slot.name][1], prefixes, log_missing=False).items():
+                key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
+                dense.setdefault(key, []).append((slot, patch, offset))
+
+    def dense_deltas(key: str, weight: torch.Tensor) -> list[DenseDelta]:
+        import comfy.lora
+
+        out = []
+        for slot, patch, offset in dense.get(key, ()):
+            patched = comfy.lora.calculate_weight([(slot.strength, patch, 1.0, offset, None)], weight.clone(), key)
+            out.append(DenseDelta(patched - weight, source=slot.name))
+        return out
+
+    def codec_of(module):
+        try:
+            return module_codec(module) if module_codec is not None else None
+        except LowBitError:  # a format name this LowBit does not know: derive it from the layout instead
+            return None
+
+    shaped = {k for k in dense if len(info.shapes.get(k, ())) == 2}
+    for key in set(dense) - shaped:
+        log.warning("LowBit: %s is not a linear weight; stochastic mode leaves it out (use standard)", key)
+    merge = StochasticMerge(patcher.model, low_rank_plan(active), seed=seed, codec_of=codec_of,
+                            dense_deltas=dense_deltas if shaped else None, dense_layers=sorted(shaped))
+    return _StochasticApplier(merge)
+
+
+# ---- nodes ------------------------------------------------------------------------------------
+
+def _lora_names() -> list[str]:
+    import folder_paths
+
+    return folder_paths.get_filename_list("loras")
+
+
+class LowBitLoraStackEntry(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowBitLoraStackEntry",
+            display_name="LoRA Stack Entry (LowBit)",
+            category=CATEGORY,
+            description="One LoRA of a stack: a file from models/loras and its strength. Connect it to Apply LoRA "
+                        "Stack (LowBit). Strength 0, or bypassing this node, turns it off.",
+            inputs=[
+                io.Combo.Input("lora_name", options=_lora_names(), tooltip="The LoRA file (models/loras)."),
+                io.Float.Input("strength", **STRENGTH, tooltip="How strongly the LoRA changes the model (may be negative)."),
+            ],
+            outputs=[LoraEntryType.Output(display_name="lora")],
+        )
+
+    @classmethod
+    def execute(cls, lora_name: str, strength: float) -> io.NodeOutput:
+        return io.NodeOutput(LoraEntry(lora_name, lora_path(lora_name), float(strength)))
+
+
+class LowBitApplyLoraStack(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        template = io.Autogrow.TemplatePrefix(input=LoraEntryType.Input("lora"), prefix="lora", min=0, max=MAX_STACK)
+        return io.Schema(
+            node_id="LowBitApplyLoraStack",
+            display_name="Apply LoRA Stack (LowBit)",
+            category=CATEGORY,
+            description="Apply a stack of LoRAs (in slot order) to a quantized or float diffusion model. " + MODE_TOOLTIP,
+            inputs=[
+                io.Model.Input("model"),
+                io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP),
+                io.Autogrow.Input("loras", template=template, optional=True),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True,
+                             tooltip="stochastic mode: the rounding seed (the same seed gives the same weights)."),
+            ],
+            outputs=[io.Model.Output(), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, model, mode: str, loras: io.Autogrow.Type = None, seed: int = 0) -> io.NodeOutput:
+        entries = [value for _, value in sorted((loras or {}).items(), key=lambda kv: _slot_index(kv[0]))]
+        patched, report = apply_lora_stack(model, entries, mode, seed)
+        return io.NodeOutput(patched, report)
+
+
+def _slot_index(name: str) -> int:
+    """``lora7`` (or ``loras.lora7``) -> 7: autogrow slots in slot order, not string order."""
+    match = re.search(r"(\d+)$", name)
+    return int(match.group(1)) if match else 0
+
+
+class LowBitLoadLora(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowBitLoadLora",
+            display_name="Load LoRA (LowBit)",
+            category=CATEGORY,
+            description="Apply one LoRA to a quantized or float diffusion model. " + MODE_TOOLTIP,
+            inputs=[
+                io.Model.Input("model"),
+                io.Combo.Input("lora_name", options=_lora_names(), tooltip="The LoRA file (models/loras)."),
+                io.Float.Input("strength", **STRENGTH),
+                io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, lora_name: str, strength: float, mode: str, seed: int = 0) -> io.NodeOutput:
+        entry = LoraEntry(lora_name, lora_path(lora_name), float(strength))
+        return io.NodeOutput(apply_lora_stack(model, [entry], mode, seed)[0])
+
+
+class LowBitLoadLoraStack(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        inputs = [io.Model.Input("model"),
+                  io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP)]
+        for i in range(1, FIXED_SLOTS + 1):
+            inputs.append(io.Combo.Input(f"lora_{i}", options=[NONE, *_lora_names()], default=NONE, optional=True))
+            inputs.append(io.Float.Input(f"strength_{i}", **STRENGTH, optional=True))
+        inputs.append(io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True))
+        return io.Schema(
+            node_id="LowBitLoadLoraStack",
+            display_name="Load LoRA Stack (LowBit)",
+            category=CATEGORY,
+            description=f"Apply up to {FIXED_SLOTS} LoRAs (in slot order; None or strength 0 = off). " + MODE_TOOLTIP,
+            inputs=inputs,
+            outputs=[io.Model.Output(), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, model, mode: str, seed: int = 0, **slots) -> io.NodeOutput:
+        entries = []
+        for i in range(1, FIXED_SLOTS + 1):
+            name = slots.get(f"lora_{i}", NONE)
+            if name and name != NONE:
+                entries.append(LoraEntry(name, lora_path(name), float(slots.get(f"strength_{i}", 1.0))))
+        patched, report = apply_lora_stack(model, entries, mode, seed)
+        return io.NodeOutput(patched, report)
+
+
+NODE_CLASSES = (LowBitLoraStackEntry, LowBitApplyLoraStack, LowBitLoadLora, LowBitLoadLoraStack)
