@@ -130,9 +130,9 @@ class LowBitQuantizationReport(io.ComfyNode):
                 io.Boolean.Input("measure_error", default=False,
                                  tooltip="Also run each quantized layer on a random probe input and report its "
                                  "relative output error against the dequantized float weight (slower)."),
-                io.Int.Input("probe_tokens", default=64, min=1, max=4096, advanced=True,
+                io.Int.Input("probe_tokens", default=64, min=1, max=4096, optional=True, advanced=True,
                              tooltip="Rows of the random probe input used by measure_error."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, advanced=True,
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True,
                              tooltip="Seed of the random probe input."),
             ],
             outputs=[io.String.Output("report", tooltip="The same table as markdown text.")],

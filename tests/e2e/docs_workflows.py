@@ -72,7 +72,7 @@ def load_saved_checkpoint() -> Graph:
     """Run a file written by Save Quantized Model: LowBit's loader reads every LowBit format."""
     g = Graph()
     model = g.add("LowBitLoadDiffusionModel", unet_name="flux1-dev-my-lora-int8_convrot_00001_.safetensors",
-                  mode="int8_convrot").out()
+                  mode="native").out()
     _flux_sampling(g, model, "LowBit/saved")
     return g
 

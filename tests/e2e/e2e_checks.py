@@ -64,3 +64,21 @@ def workflow_from_metadata(metadata: dict[str, str]) -> tuple[dict, dict | None]
     prompt = json.loads(metadata["prompt"]) if metadata.get("prompt") else {}
     workflow = json.loads(metadata["workflow"]) if "workflow" in metadata else None
     return prompt, workflow
+
+
+def report_formats(report: str) -> dict[str, str]:
+    """``layer -> format`` from the markdown table of Quantization Report (LowBit)."""
+    rows = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) >= 2 and cells[0] != "layer":
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def planned_formats(state_dict, mode: str) -> dict[str, str]:
+    """``layer -> format`` LowBit's policy plans for a float state dict (preset detected from its keys)."""
+    from lowbit.quant.policy import Policy
+
+    plan = Policy(mode=mode).plan({k: tuple(v.shape) for k, v in state_dict.items()})
+    return {d.name: d.format for d in plan.quantized}

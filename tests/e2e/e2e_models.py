@@ -22,7 +22,8 @@ from lowbit.quant.demo import TinyFluxConfig, tiny_flux_state_dict
 
 #: width of the stock LotusConditioning embedding ([1, 2, 1024])
 LOTUS_CONTEXT_WIDTH = 1024
-FLUX_CONFIG = TinyFluxConfig(context_in_dim=LOTUS_CONTEXT_WIDTH)
+#: one double and one single block keep a CPU sampling step short (kitchen's eager int8 matmul is slow on CPU)
+FLUX_CONFIG = TinyFluxConfig(context_in_dim=LOTUS_CONTEXT_WIDTH, depth=1, depth_single_blocks=1)
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> Path:
@@ -40,7 +41,7 @@ def tiny_flux(seed: int = 0) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class TinySD3Config:
-    depth: int = 4  # MMDiT: hidden = 64 * depth, heads = depth
+    depth: int = 4  # MMDiT: hidden = 64 * depth, heads = depth (4: width 256, so ConvRot's groups of 256 apply)
     in_channels: int = 16
     patch_size: int = 2
     context_width: int = 64  # context_embedder input (SD3: 4096)

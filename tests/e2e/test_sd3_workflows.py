@@ -1,7 +1,7 @@
 """LowBit's nodes on a second architecture: a tiny SD3 (MMDiT) model in a real ComfyUI server (Show 2).
 
-SD3 has no LowBit preset, so these runs also cover the ``generic`` preset's keep-float rules
-(embedders, norms and adaLN modulation stay float) on keys LowBit was not written against.
+The model is built from ComfyUI's MMDiT key layout (``e2e_models.sd3_shapes``), detected by stock
+``UNETLoader`` as SD3, and quantized under LowBit's ``sd3`` preset.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import e2e_workflows as wf
-from e2e_checks import dequantized_weights, saved_latent, saved_model_path, sqnr_db
+from e2e_checks import (dequantized_weights, planned_formats, report_formats, saved_latent, saved_model_path,
+                        sqnr_db)
 from e2e_models import TinySD3Config, tiny_sd3, write_safetensors
 
 SD3 = "tiny_sd3.safetensors"
@@ -52,8 +53,8 @@ def test_quantize_model_int8_convrot(comfy_server, sd3):
     assert not torch.equal(latent, sd3["reference"])
     assert sqnr_db(sd3["reference"], latent) > MIN_LATENT_SQNR["int8_convrot"]
     report = result.outputs[rep.id]["text"][0]
-    assert "joint_blocks.0.x_block.mlp.fc2" in report, report
-    assert "adaLN_modulation" not in report, "the generic preset keeps modulation layers in float"
+    assert report_formats(report) == planned_formats(sd3["state_dict"], "int8_convrot"), report
+    assert "x_embedder" not in report and "context_embedder" not in report, "the sd3 preset keeps these float"
 
 
 def test_lowbit_loader_fp8_rowwise(comfy_server, sd3):
@@ -76,4 +77,7 @@ def test_save_then_stock_loader_matches_in_memory(comfy_server, sd3):
         assert sqnr_db(base[f"{layer}.weight"].float(), weight) > 30.0, layer
 
     disk = _latent(comfy_server, lambda g2: wf.unet_loader(g2, path.name), "sd3_from_disk")
-    assert sqnr_db(saved_latent(comfy_server, result, in_memory.id), disk) > 60.0
+    native = _latent(comfy_server, lambda g2: wf.lowbit_loader(g2, path.name, "native"), "sd3_native")
+    assert torch.equal(disk, native), "stock UNETLoader and LowBit's loader sample the saved file differently"
+    # in memory vs loaded: same weights, float layers run by different ComfyUI op classes (see the Flux test)
+    assert sqnr_db(saved_latent(comfy_server, result, in_memory.id), disk) > 45.0
