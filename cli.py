@@ -34,6 +34,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 USER_ERRORS = (LowBitError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
                PermissionError)
 EXIT_USER_ERROR = 2
+QUIET_LOGGERS = ("comfy_kitchen", "triton", "torch")  # held at WARNING unless --debug
 GPU_GENERATIONS = {(7, 5): "Turing", (8, 0): "Ampere", (8, 6): "Ampere", (8, 9): "Ada", (9, 0): "Hopper",
                    (10, 0): "Blackwell", (12, 0): "Blackwell"}
 FORMAT_COLUMNS = ("format", "weight bits", "activations", "comfy_quant format", "stock ComfyUI loads",
@@ -94,6 +95,24 @@ def formats_markdown() -> str:
     rows = [(f"`{r[0]}`", r[1], r[2], f"`{r[3]}`", *r[4:6], f"`{r[6]}`" if r[6] != "-" else "-")
             for r in format_rows()]
     return markdown_table(FORMAT_COLUMNS, rows)
+
+
+DETAIL_COLUMNS = ("format", "what it is", "stored per layer", "input width multiple of")
+
+
+def format_detail_rows() -> list[tuple[str, ...]]:
+    """Per format: its description, the tensors it stores per layer, and the input width it needs."""
+    from .quant.formats import FORMATS
+
+    return [(codec.spec.name, codec.spec.description, ", ".join((*codec.tensor_keys, "comfy_quant")),
+             str(codec.spec.in_features_multiple)) for codec in FORMATS.values()]
+
+
+def format_details_markdown() -> str:
+    """The per-format detail table of docs/formats.md (tests keep it equal to the registry)."""
+    rows = [(f"`{name}`", description, ", ".join(f"`{key}`" for key in stored.split(", ")), multiple)
+            for name, description, stored, multiple in format_detail_rows()]
+    return markdown_table(DETAIL_COLUMNS, rows)
 
 
 # ---- checkpoint reports ---------------------------------------------------------------------
@@ -224,7 +243,10 @@ def _numel(shape: Sequence[int]) -> int:
 # ---- commands -------------------------------------------------------------------------------
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    print(formats_markdown() if args.markdown else text_table(FORMAT_COLUMNS, format_rows()))
+    if args.details:
+        print(format_details_markdown() if args.markdown else text_table(DETAIL_COLUMNS, format_detail_rows()))
+    else:
+        print(formats_markdown() if args.markdown else text_table(FORMAT_COLUMNS, format_rows()))
     return 0
 
 
@@ -287,13 +309,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .quant.checkpoint import open_checkpoint
-    from .quant.policy import Policy
-
     path = Path(args.file)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}" if not path.exists()
                                 else f"{path} is not a file; pass a .safetensors checkpoint")
+    from .quant.checkpoint import open_checkpoint
+    from .quant.policy import Policy
+
     with open_checkpoint(path) as reader:
         quantized = reader.is_quantized
     if quantized:
@@ -359,6 +381,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- parser ---------------------------------------------------------------------------------
 
+def _all_modes() -> tuple[str, ...]:
+    from .quant.policy import all_modes
+
+    return all_modes()
+
+
+class _LazyNames(Sequence):
+    """Choices loaded on first use: the mode list needs the format registry (torch and comfy-kitchen),
+    which ``--help`` of most commands and ``formats``-free paths should not pay for until they use it."""
+
+    def __init__(self, load):
+        self._load = load
+        self._names: tuple[str, ...] | None = None
+
+    def _get(self) -> tuple[str, ...]:
+        if self._names is None:
+            self._names = tuple(self._load())
+        return self._names
+
+    def __getitem__(self, index):
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._get()
+
+    def __iter__(self):
+        return iter(self._get())
+
+
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line (exit code 2)."""
 
@@ -377,10 +431,9 @@ def _common_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .quant.policy import all_modes
     from .quant.presets import preset_names
 
-    modes, presets = all_modes(), ("auto", *preset_names())
+    modes, presets = _LazyNames(_all_modes), ("auto", *preset_names())
     common = _common_options()
     parser = _Parser(prog=PROG, parents=[common], description=(
         "LowBit: quantize diffusion-model checkpoints (INT8 / FP8 / 4-bit) to ComfyUI-native files, "
@@ -400,15 +453,16 @@ def build_parser() -> argparse.ArgumentParser:
                "layer in w4a4. Layers a format cannot take get its fallback format.")
     q.add_argument("paths", nargs="*", metavar="IN OUT", help="input checkpoint and output path (--demo: OUT only)")
     q.add_argument("--demo", action="store_true", help=f"quantize the built-in tiny Flux model (default mode {DEMO_MODE})")
-    q.add_argument("--mode", choices=modes, metavar="MODE", help=f"one of: {', '.join(modes)}")
+    q.add_argument("--mode", choices=modes, metavar="MODE", help="one of: %(choices)s")
     q.add_argument("--preset", default="auto", choices=presets, metavar="PRESET",
-                   help=f"architecture preset: {', '.join(presets)} (default: auto = detect from the keys)")
+                   help="architecture preset, one of: %(choices)s (default: auto = detect from the layer names)")
     q.add_argument("--ratio", type=float, default=None, metavar="R",
                    help="int4_mixed only: share of quantized parameters kept in INT8 (0..1, default 0.2)")
     q.add_argument("--keep-float", action="extend", nargs="+", default=[], metavar="REGEX",
                    help="extra layer-name regular expressions to keep in float (added to the preset's)")
     q.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
-                   help="compute dtype the quantized layers run in (default bf16)")
+                   help="compute dtype handed to the format codecs (default bf16); today's formats store the same "
+                        "bytes for every dtype, the run dtype is chosen when the model is loaded")
     q.add_argument("--device", default="auto",
                    help="where to quantize: auto (cuda when available, else cpu), cpu, cuda, cuda:1, ... ")
     q.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
@@ -421,9 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "For a float file: the plan --mode/--preset would apply and the bytes before (as bf16) and after.")
     i.add_argument("file", metavar="FILE", help="a .safetensors checkpoint")
     i.add_argument("--mode", choices=modes, default=DEMO_MODE, metavar="MODE",
-                   help=f"float files: the mode to plan for (default {DEMO_MODE}); one of: {', '.join(modes)}")
+                   help="float files: the mode to plan for (default %(default)s), one of: %(choices)s")
     i.add_argument("--preset", default="auto", choices=presets, metavar="PRESET",
-                   help=f"float files: the preset to plan with: {', '.join(presets)} (default auto)")
+                   help="float files: the preset to plan with (default %(default)s), one of: %(choices)s")
     i.add_argument("--ratio", type=float, default=None, metavar="R", help="float files, int4_mixed: the INT8 share")
     i.add_argument("--layers", action="store_true", help="also print one row per layer")
     i.set_defaults(func=cmd_inspect)
@@ -433,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "whether stock ComfyUI loads it, the GPU the fast path needs, and the fallback "
                                    "for layers a format cannot take.")
     f.add_argument("--markdown", action="store_true", help="print a Markdown table (as in README.md)")
+    f.add_argument("--details", action="store_true",
+                   help="print what each format is, the tensors it stores per layer and the input width it needs")
     f.set_defaults(func=cmd_formats)
 
     b = sub.add_parser("bench", parents=[common], help="benchmarks (bench kernels: GEMM kernel timings)",
@@ -458,7 +514,7 @@ def _setup_logging(debug: bool, quiet: bool) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
     if not debug:  # third-party chatter stays out of the CLI's output
-        for name in ("comfy_kitchen", "triton", "torch"):
+        for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
