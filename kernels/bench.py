@@ -152,17 +152,17 @@ def _geomean(values: list[float]) -> float:
 
 # ---- the benchmark ------------------------------------------------------------------------------
 
-def run_bench(shapes: list[tuple[int, int]], ms: list[int], formats: list[str], device: torch.device,
+def run_bench(shapes: list[tuple[str, int, int]], ms: list[int], formats: list[str], device: torch.device,
               dispatcher: Dispatcher, rep_ms: int, with_kitchen: bool, graph: bool = False) -> list[dict]:
     timer = _timer(device, rep_ms)
     graph_timer = _timer(device, rep_ms, graph=True) if graph else None
     rows = []
-    for n, k in shapes:
+    for set_name, n, k in shapes:
         problem = Problem(n, k, device)
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             bf16 = lambda: torch.nn.functional.linear(x, problem.w_bf16, problem.bias)  # noqa: E731
-            row = {"n": n, "k": k, "m": m, "bf16_us": timer(bf16)}
+            row = {"set": set_name, "n": n, "k": k, "m": m, "bf16_us": timer(bf16)}
             if graph_timer:
                 row["bf16_graph_us"] = graph_timer(bf16)
             for fmt in formats:
@@ -210,9 +210,10 @@ def _format_row(row: dict, formats: list[str]) -> str:
 
 
 def summary(rows: list[dict], formats: list[str]) -> list[str]:
+    """Per shape set and M: each format's geometric-mean speed-up over bf16 (and its worst shape)."""
     lines = []
-    for m in sorted({r["m"] for r in rows}):
-        at_m = [r for r in rows if r["m"] == m]
+    for set_name, m in sorted({(r.get("set", ""), r["m"]) for r in rows}):
+        at_m = [r for r in rows if r["m"] == m and r.get("set", "") == set_name]
         parts = []
         for fmt in formats:
             ours = _geomean([_ratio(r, f"{fmt}_us") for r in at_m])
@@ -222,7 +223,7 @@ def summary(rows: list[dict], formats: list[str]) -> list[str]:
                               if r.get(f"{fmt}_graph_us") and r.get("bf16_graph_us")])
             parts.append(f"{fmt} {ours:.2f}x (min {worst:.2f}, kitchen {kit:.2f}x"
                          + (f", graph {graph:.2f}x)" if math.isfinite(graph) else ")"))
-        lines.append(f"M={m} geomean vs bf16: " + "; ".join(parts))
+        lines.append(f"[{set_name}] M={m} geomean vs bf16: " + "; ".join(parts))
     return lines
 
 
@@ -255,6 +256,67 @@ def prewarm(formats: list[str], shapes: list[tuple[int, int]], device: torch.dev
         for line in pool.map(_warm_job, jobs):
             print(line, flush=True)
     print(f"pre-compiled {len(jobs)} jobs in {time.perf_counter() - start:.0f}s", flush=True)
+
+
+# ---- CPU launch overhead ------------------------------------------------------------------------
+
+def launch_overhead(device: torch.device, n: int = 3072, k: int = 3072, m: int = 256, calls: int = 300) -> list[str]:
+    """CPU time to enqueue one call (µs, no synchronization inside the loop) of bf16 ``F.linear``, of
+    each format's linear and of its pieces, plus a profile of the INT8 linear's Python."""
+    import cProfile
+    import io
+    import pstats
+
+    from . import ops
+    from .gemm_config import default_config
+
+    problem = Problem(n, k, device)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dispatcher = Dispatcher()
+    q, scale, _ = ops.act_quant(x, torch.int8, 127.0, "none", 0, None, False, 0, "triton")
+    cfg = default_config(m).name
+    pieces = {
+        "bf16 F.linear": lambda: torch.nn.functional.linear(x, problem.w_bf16, problem.bias),
+        "act_quant launch": lambda: ops.act_quant(x, torch.int8, 127.0, "none", 0, None, False, 0, "triton"),
+        "w8a8 gemm launch": lambda: ops.w8a8_mm(q, problem.w_int8, scale, problem.w_scale.reshape(-1), problem.bias,
+                                                None, None, torch.bfloat16, cfg),
+        "torch.empty x3": lambda: (torch.empty(m, k, device=device), torch.empty(m, 1, device=device),
+                                   torch.empty(m, n, device=device)),
+    }
+    for fmt in FORMATS:
+        pieces[f"{fmt} linear"] = (lambda fn: lambda: fn(x))(problem.ours(fmt))
+    kitchen = problem.kitchen("int8")
+    pieces["kitchen int8_linear"] = lambda: kitchen(x)
+    lines = []
+    with use_dispatcher(dispatcher):
+        for name, fn in pieces.items():
+            try:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                cpu = (time.perf_counter() - start) / calls * 1e6
+                torch.cuda.synchronize(device)
+                lines.append(f"overhead {name:<24} {cpu:7.1f} us CPU per call")
+            except Exception as err:
+                lines.append(f"overhead {name} FAILED {type(err).__name__}: {err}"[:200])
+            print(lines[-1], flush=True)
+        profiler = cProfile.Profile()
+        fn = problem.ours("int8")
+        profiler.enable()
+        for _ in range(calls):
+            fn(x)
+        profiler.disable()
+    torch.cuda.synchronize(device)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+    for line in text.getvalue().splitlines():
+        if line.strip():
+            lines.append("profile " + line[:160])
+            print(lines[-1], flush=True)
+    return lines
 
 
 # ---- component sweep (tuning data) ------------------------------------------------------------
@@ -378,7 +440,8 @@ def verify(device: torch.device) -> list[str]:
         ok = bool(torch.isfinite(q.float()).all()) and (frac == 0 if exact else frac < 0.03 and near)
         scale_ok = torch.allclose(s, sr, rtol=1e-6 if exact else 2**-10)
         check(f"act_quant m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'} smooth={smooth} center={center} "
-              f"perm={perm_block}", ok and scale_ok, f"codes differing {frac:.2e}, max {diff.max().item():.0f}")
+              f"perm={perm_block}", ok and scale_ok, f"codes differing {frac:.2e}, max {diff.max().item():.3g}, "
+              f"scale rel {((s - sr).abs() / sr).max().item():.1e}, near {near}")
 
     def close_bf16(out, ref):  # same fp32 math, rounded once to bf16 (an FMA may move the last bit)
         diff = (out.float() - ref.float()).abs()
@@ -446,6 +509,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="check every Triton kernel against its reference first")
     p.add_argument("--sweep", type=int, default=0, metavar="M",
                    help="also time the pieces (act-quant variants, every GEMM config alone, cuBLAS) at this M")
+    p.add_argument("--overhead", action="store_true", help="measure the CPU cost of launching each linear first")
     p.add_argument("--prewarm", type=int, default=0, metavar="P",
                    help="compile the benchmark's kernels in P worker processes first (saves wall time)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -456,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = torch.device(args.device)
     try:
-        shapes = [shape for name in args.shapes.split(",") for shape in SHAPE_SETS[name.strip()]]
+        named = [(name.strip(), n, k) for name in args.shapes.split(",") for n, k in SHAPE_SETS[name.strip()]]
+        shapes = list(dict.fromkeys((n, k) for _, n, k in named))
         ms = [int(v) for v in args.m.split(",")]
         formats = [f.strip() for f in args.formats.split(",")]
         unknown = [f for f in formats if f not in FORMATS]
@@ -481,18 +546,20 @@ def main(argv: list[str] | None = None) -> int:
             failures = []
         if failures:
             print(f"{len(failures)} kernel check(s) failed (benchmarking anyway):\n  " + "\n  ".join(failures), flush=True)
+    overhead_lines = launch_overhead(device) if args.overhead and device.type == "cuda" else []
     sweep_shapes = [shape for shape in shapes if shape in SHAPE_SETS["issue"]] or shapes
     sweep_lines = sweep(device, sweep_shapes, args.sweep, args.rep_ms) if args.sweep else []
     dispatcher = Dispatcher(cache_path=args.cache)
     print(_format_header(formats), flush=True)
     with force_backend(Backend.AUTO):
-        rows = run_bench(shapes, ms, formats, device, dispatcher, args.rep_ms, not args.no_kitchen,
+        rows = run_bench(named, ms, formats, device, dispatcher, args.rep_ms, not args.no_kitchen,
                          args.graph and device.type == "cuda")
     lines = summary(rows, formats)
     for line in lines:
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "summary": lines, "sweep": sweep_lines,
+                                               "overhead": overhead_lines,
                                                "decisions": dispatcher.decisions,
                                                "timings_us": dispatcher.timings_us, "failures": dispatcher.failures},
                                               indent=1, default=str))

@@ -55,9 +55,14 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
-def _dot_fp16(v, h):
-    """``v @ h`` for fp32 ``|v| < 2`` (rounded to fp16) and a ±1 fp16 matrix ``h``, fp32 accumulation."""
-    return tl.dot(v.to(tl.float16), h, out_dtype=tl.float32)
+def _dot_fp16(v, h, PRECISE: tl.constexpr):
+    """``v @ h`` for fp32 ``|v| < 2`` and a ±1 fp16 matrix ``h``, fp32 accumulation. ``v`` is rounded
+    to fp16 (2^-12 of the row maximum), or with ``PRECISE`` split into fp16 hi + lo (~2^-22)."""
+    hi = v.to(tl.float16)
+    out = tl.dot(hi, h, out_dtype=tl.float32)
+    if PRECISE:
+        out += tl.dot((v - hi.to(tl.float32)).to(tl.float16), h, out_dtype=tl.float32)
+    return out
 
 
 @triton.jit
@@ -91,11 +96,11 @@ def _act_quant_kernel(
         r16 = tl.arange(0, 16)
         qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 H16 (acts on the low index)
         v = tl.reshape(x, (SB * 16, 16))
-        w = _dot_fp16(v, qmat)  # rows (super-block, a), cols d
+        w = _dot_fp16(v, qmat, OUT_FP8)  # rows (super-block, a), cols d
         if TWO_STAGE:
             pmat = tl.load(pmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 I ⊗ P (high index)
             wt = tl.reshape(tl.permute(tl.reshape(w, (SB, 16, 16)), (0, 2, 1)), (SB * 16, 16))
-            z = _dot_fp16(wt * 0.0625, pmat)  # rows (super-block, d), cols c; /16 keeps |.| < 2
+            z = _dot_fp16(wt * 0.0625, pmat, OUT_FP8)  # rows (super-block, d), cols c; /16 keeps |.| < 2
             w = tl.reshape(tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1)), (SB * 16, 16)) * 16.0
         row_pow2 = (row_exp << 23).to(tl.float32, bitcast=True)  # 2^(e-127)
         x = tl.reshape(w, (BLOCK_M, BLOCK_K)) * (row_pow2 * rot_norm)[:, None]
@@ -104,15 +109,15 @@ def _act_quant_kernel(
     scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
     y = tl.minimum(tl.maximum(x * inv[:, None], -qmax), qmax)
-    if PERM_BLOCK > 0:  # evens, then odds, within each PERM_BLOCK columns
-        out_cols = (cols // PERM_BLOCK) * PERM_BLOCK + (cols % PERM_BLOCK) // 2 + (cols % 2) * (PERM_BLOCK // 2)
-    else:
-        out_cols = cols
-    q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qm + out_cols[None, :]
+    q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
     if OUT_FP8:
         tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
     else:
-        tl.store(q_ptrs, _rint(y).to(tl.int8), mask=mask)
+        q = _rint(y).to(tl.int8)
+        if PERM_BLOCK > 0:  # evens, then odds, within each PERM_BLOCK columns (in registers: stores stay wide)
+            q = tl.reshape(q, (BLOCK_M, BLOCK_K // PERM_BLOCK, PERM_BLOCK // 2, 2))
+            q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
+        tl.store(q_ptrs, q, mask=mask)
 
 
 @functools.lru_cache(maxsize=16)
@@ -140,7 +145,7 @@ def _launch_shape(m: int, k: int, rotate: bool, tile_elements: int, num_warps: i
     block_m = max(1, min(16, tile_elements // block_k, _pow2_at_least(m)))
     tile = block_m * block_k
     if num_warps is None:
-        num_warps = 4 if rotate or tile <= 4096 else 8 if tile <= 8192 else 16
+        num_warps = 4 if tile <= 4096 else 8 if tile <= 8192 else 16
     return block_m, block_k, num_warps, -(-m // block_m)
 
 
@@ -166,11 +171,11 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     if x.stride(-1) != 1:
         x = x.contiguous()
     rotate = rotation != "none"
-    if tile_elements is None:
-        tile_elements = TILE_ELEMENTS if rotate else TILE_ELEMENTS // 2
+    if tile_elements is None:  # measured on H200: 4096-element programs of 4 warps, rotated or not
+        tile_elements = TILE_ELEMENTS // 2
     block_m, block_k, num_warps, programs = _launch_shape(m, k, rotate, tile_elements, num_warps)
-    if perm_block and (k % perm_block or perm_block % 2):
-        raise ValueError(f"perm_block {perm_block} must be even and divide the {k} features")
+    if perm_block and (k % perm_block or perm_block % 2 or perm_block & (perm_block - 1) or out_dtype == FP8):
+        raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features (INT8 codes only)")
     q = torch.empty((m, k), dtype=out_dtype, device=x.device) if out is None else out
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     mean = torch.empty((m, 1 if center else 0), dtype=torch.float32, device=x.device)
