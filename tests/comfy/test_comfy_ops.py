@@ -1,0 +1,265 @@
+"""LowBit's ops class and its Linear inside real ComfyUI: loading, forward paths, patches, streaming."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from comfy_helpers import device, load_stock, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
+
+require_comfy()
+
+import comfy.model_management  # noqa: E402
+import comfy.ops  # noqa: E402
+import comfy.utils  # noqa: E402
+from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
+
+from lowbit.nodes.comfy_ops import (KERNEL_BACKENDS, LowBitOpsConfig, default_dequantize_formats,  # noqa: E402
+                                    lowbit_ops, requantize)
+from lowbit.nodes.loader import LoadSettings, load_lowbit_diffusion_model  # noqa: E402
+from lowbit.nodes.model_quant import quantize_model  # noqa: E402
+from lowbit.quant.checkpoint import save_checkpoint  # noqa: E402
+from lowbit.quant.errors import CheckpointFormatError, LowBitError  # noqa: E402
+from lowbit.quant.formats import FORMATS, get_format  # noqa: E402
+from lowbit.quant.native import layer_tensors  # noqa: E402
+from lowbit.quant.policy import Policy  # noqa: E402
+from lowbit.quant.quantize import quantize_state_dict  # noqa: E402
+
+LAYER = "double_blocks.0.img_attn.qkv"
+LOWBIT_ONLY = ("int8_quarot", "int8_hadanorm", "fp8_rowwise")
+# denoiser-output SQNR vs the float tiny Flux, measured on CPU: quarot 30.0, hadanorm 36.2, fp8_rowwise 24.3 dB
+MIN_OUTPUT_SQNR = {"int8_quarot": 26.0, "int8_hadanorm": 31.0, "fp8_rowwise": 20.0}
+
+
+@pytest.fixture(scope="module")
+def float_model():
+    return load_stock(tiny_flux_bf16())
+
+
+@pytest.fixture(scope="module")
+def float_output(float_model):
+    return run_flux(float_model)
+
+
+@pytest.fixture(scope="module")
+def int8_model(float_model):
+    return quantize_model(float_model, Policy(mode="int8_convrot"))
+
+
+@functools.lru_cache(maxsize=None)
+def _file(fmt: str, tmp_dir: str) -> str:
+    state_dict, _ = quantize_state_dict(tiny_flux_bf16(), Policy(mode=fmt))
+    return str(save_checkpoint(state_dict, f"{tmp_dir}/tiny_flux_{fmt}.safetensors", overwrite=True))
+
+
+@pytest.fixture(scope="module")
+def tmp_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ops"))
+
+
+def _probe(k: int, seed: int = 3) -> torch.Tensor:
+    return torch.randn(2, 7, k, generator=torch.Generator().manual_seed(seed)).to(device())
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+def test_config_validates_and_round_trips():
+    config = LowBitOpsConfig(compute_dtype=torch.bfloat16, backend="eager", dequantize_formats={"float8_e4m3fn"})
+    assert LowBitOpsConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert isinstance(config.dequantize_formats, frozenset)
+    for bad in ({"backend": "cuda_magic"}, {"compute_dtype": torch.int8}, {"version": 99}):
+        with pytest.raises(LowBitError):
+            LowBitOpsConfig(**bad)
+    assert KERNEL_BACKENDS[0] == "auto"
+
+
+def test_default_dequantize_formats_follow_comfyui_on_this_device():
+    formats = default_dequantize_formats(device())
+    fp8_compute = comfy.model_management.supports_fp8_compute(device())
+    assert ("float8_e4m3fn" in formats) == (not fp8_compute)
+    assert "lowbit_fp8_rowwise" not in formats and "int8_tensorwise" not in formats
+
+
+def test_every_load_gets_its_own_ops_class_and_config(tmp_dir):
+    path = _file("int8", tmp_dir)
+    a = LowBitOpsConfig(compute_dtype=torch.float32, backend="eager")
+    b = LowBitOpsConfig(compute_dtype=torch.bfloat16)
+    ops_a, ops_b = lowbit_ops(a), lowbit_ops(b)
+    assert ops_a is not ops_b and ops_a.Linear is not ops_b.Linear
+    assert issubclass(ops_a.Linear, comfy.ops.CastWeightBiasOp)
+    assert "mixed_precision_ops" in ops_a.Linear.__mro__[2].__qualname__  # ComfyUI's own Linear underneath
+    assert not hasattr(ops_a.Linear, "lowbit_config"), "the config must live on instances, not on a class"
+    model_a = load_stock(comfy.utils.load_torch_file(path), custom_operations=ops_a)
+    model_b = load_stock(comfy.utils.load_torch_file(path), custom_operations=ops_b)
+    layer_a = model_a.model.diffusion_model.get_submodule(LAYER)
+    layer_b = model_b.model.diffusion_model.get_submodule(LAYER)
+    assert layer_a.lowbit_config is a and layer_b.lowbit_config is b
+    assert layer_a.weight.dtype == torch.float32 and layer_b.weight.dtype == torch.bfloat16
+    assert torch.equal(layer_a.weight._qdata, layer_b.weight._qdata)
+
+
+# ---- LowBit's own formats: stock ComfyUI cannot load them, LowBit's loader can ------------------
+
+@pytest.mark.parametrize("fmt", LOWBIT_ONLY)
+def test_lowbit_formats_load_natively_and_match_in_memory_quantization(fmt, tmp_dir, float_model, float_output):
+    path = _file(fmt, tmp_dir)
+    with pytest.raises(KeyError):  # QUANT_ALGOS is a fixed table in stock ComfyUI
+        load_stock(comfy.utils.load_torch_file(path))
+    loaded = load_lowbit_diffusion_model(path, LoadSettings(mode="native"))
+    layer = loaded.model.diffusion_model.get_submodule(LAYER)
+    assert layer.lowbit_format == fmt and layer.quant_format == get_format(fmt).spec.native_format
+    in_memory = quantize_model(float_model, Policy(mode=fmt))
+    out = run_flux(loaded)
+    assert torch.equal(out, run_flux(in_memory))
+    assert sqnr_db(float_output, out) > MIN_OUTPUT_SQNR[fmt]
+
+
+def test_an_unknown_comfy_quant_format_is_a_clear_error(tmp_dir):
+    state_dict = dict(tiny_flux_bf16())
+    state_dict[f"{LAYER}.comfy_quant"] = torch.tensor(list(json.dumps({"format": "bogus4"}).encode()), dtype=torch.uint8)
+    path = save_checkpoint(state_dict, f"{tmp_dir}/bogus.safetensors", overwrite=True)
+    with pytest.raises(CheckpointFormatError, match="bogus4") as info:
+        load_lowbit_diffusion_model(str(path), LoadSettings(mode="native"))
+    assert LAYER in str(info.value)
+
+
+# ---- forward paths -------------------------------------------------------------------------------
+
+def test_quantized_path_runs_the_codec_and_patched_path_dequantizes(int8_model):
+    layer = int8_model.model.diffusion_model.get_submodule(LAYER)
+    codec = get_format(layer.lowbit_format)
+    x = _probe(layer.in_features)
+    with torch.no_grad():
+        out = layer(x)
+    assert torch.equal(out, codec.linear(x, layer.weight.to(x.dtype), layer.bias.to(x.dtype)))
+    dequantized = torch.nn.functional.linear(x, layer.weight.dequantize().to(x.dtype), layer.bias.to(x.dtype))
+    assert not torch.equal(out, dequantized)  # activations were quantized too
+
+    delta = torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(0)).to(x.device) * 0.01
+    layer.weight_function = [lambda w: w + delta.to(w.dtype)]
+    try:
+        with torch.no_grad():
+            patched = layer(x)
+    finally:
+        layer.weight_function = []
+    expected = torch.nn.functional.linear(x, layer.weight.dequantize().to(x.dtype) + delta, layer.bias.to(x.dtype))
+    assert torch.allclose(patched, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_every_kernel_backend_runs_and_agrees(backend, int8_model):
+    layer = int8_model.model.diffusion_model.get_submodule(LAYER)
+    x = _probe(layer.in_features)
+    with torch.no_grad():
+        reference = layer(x)
+        old = layer.lowbit_config
+        layer.lowbit_config = LowBitOpsConfig(compute_dtype=old.compute_dtype, backend=backend,
+                                              dequantize_formats=old.dequantize_formats)
+        try:
+            out = layer(x)
+        finally:
+            layer.lowbit_config = old
+    assert sqnr_db(reference, out) > 60.0
+
+
+def test_fp8_abs_max_activation_scale_does_not_clip_large_activations():
+    """Why LowBit's fp8 codec scales activations by their abs-max: stock's unit scale clips above 448."""
+    codec = get_format("fp8")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=gen) / 16
+    qt = codec.quantize(w, compute_dtype=torch.float32)
+    x = torch.randn(32, 256, generator=gen)
+    x[:, :4] *= 2000.0  # outlier channels, as in real diffusion transformers' hidden states
+    reference = x @ w.t()
+    stock = torch.nn.functional.linear(QuantizedTensor.from_float(x, "TensorCoreFP8E4M3Layout", scale=None), qt)
+    ours = codec.linear(x, qt)
+    assert sqnr_db(reference, ours) > 25.0
+    assert sqnr_db(reference, stock) < sqnr_db(reference, ours) - 15.0
+
+
+# ---- ComfyUI's weight patching and streaming -----------------------------------------------------
+
+def _diff_patch(model, scale: float = 0.05):
+    weight = model.model.diffusion_model.get_submodule(LAYER).weight
+    delta = torch.randn(weight.shape, generator=torch.Generator().manual_seed(7)) * scale
+    clone = model.clone()
+    assert clone.add_patches({f"diffusion_model.{LAYER}.weight": (delta,)}, 1.0) == [f"diffusion_model.{LAYER}.weight"]
+    return clone, delta
+
+
+def test_full_load_patch_requantizes_and_unpatch_restores(int8_model):
+    original = int8_model.model.diffusion_model.get_submodule(LAYER).weight
+    base = original.dequantize().float().cpu()
+    patched, delta = _diff_patch(int8_model)
+    patched.patch_model(device_to=device(), lowvram_model_memory=0)
+    try:
+        weight = patched.model.diffusion_model.get_submodule(LAYER).weight
+        assert isinstance(weight, QuantizedTensor) and weight is not original
+        merged = weight.dequantize().float().cpu()
+        assert sqnr_db(base + delta, merged) > 30.0 and sqnr_db(base + delta, merged) > sqnr_db(base, merged) + 10
+    finally:
+        patched.unpatch_model(device_to=torch.device("cpu"))
+    restored = patched.model.diffusion_model.get_submodule(LAYER).weight
+    assert restored._qdata.data_ptr() == original._qdata.data_ptr()  # the original weight, not a requantized one
+
+
+def test_lowvram_streaming_keeps_weights_quantized_and_applies_patches_on_the_fly(int8_model):
+    dm = int8_model.model.diffusion_model
+    x = _probe(dm.get_submodule(LAYER).in_features)
+    with torch.no_grad():
+        full = dm.get_submodule(LAYER)(x)
+    patched, delta = _diff_patch(int8_model)
+    for model, patch in ((int8_model.clone(), None), (patched, delta)):
+        model.patch_model(device_to=device(), lowvram_model_memory=1)  # stream every layer
+        try:
+            layer = model.model.diffusion_model.get_submodule(LAYER)
+            assert layer.comfy_cast_weights and isinstance(layer.weight, QuantizedTensor)
+            with torch.no_grad():
+                out = layer(x)
+            if patch is None:
+                assert not layer.weight_function
+                assert torch.equal(out, full)
+            else:
+                assert layer.weight_function, "lowvram should patch on the fly"
+                expected = torch.nn.functional.linear(
+                    x, layer.weight.dequantize().to(x.dtype) + patch.to(x), layer.bias.to(x.dtype))
+                assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4)
+        finally:
+            model.unpatch_model(device_to=torch.device("cpu"))
+        assert isinstance(layer.weight, QuantizedTensor) and not layer.weight_function
+
+
+def test_module_moves_keep_the_weight_quantized(int8_model):
+    layer = int8_model.model.diffusion_model.get_submodule(LAYER)
+    qdata = layer.weight._qdata
+    dtype = layer.weight.dtype
+    try:
+        layer.to(torch.bfloat16)
+        assert isinstance(layer.weight, QuantizedTensor) and isinstance(layer.weight, torch.nn.Parameter)
+        assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight._qdata, qdata)
+    finally:
+        layer.to(dtype)
+    assert layer.weight.dtype == dtype
+
+
+def test_state_dict_is_the_native_form_and_sizes_count_stored_bytes(int8_model, float_model):
+    layer = int8_model.model.diffusion_model.get_submodule(LAYER)
+    sd = layer.state_dict(prefix=f"{LAYER}.")
+    expected = layer_tensors(get_format(layer.lowbit_format), LAYER, layer.weight)
+    assert set(sd) == set(expected) | {f"{LAYER}.bias"}
+    for key, tensor in expected.items():
+        assert torch.equal(sd[key], tensor), key
+    assert int8_model.model_size() < 0.5 * float_model.model_size()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_requantize_of_a_patched_weight_keeps_the_format(fmt):
+    codec = get_format(fmt)
+    n = 32 if fmt != "fp8" else 64
+    w = torch.randn(n, 256, generator=torch.Generator().manual_seed(1)) / 16
+    qt = requantize(codec, w, dtype=torch.float32, seed=12345, layer="test")
+    assert qt._layout_cls == codec.spec.layout
+    assert sqnr_db(w, qt.dequantize().float()) > (8.0 if codec.spec.weight_bits == 4 else 25.0)

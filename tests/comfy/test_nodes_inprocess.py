@@ -1,0 +1,239 @@
+"""The Load and Quantize nodes called in-process on the tiny Flux, with real ComfyUI modules."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from comfy_helpers import load_stock, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
+
+require_comfy()
+
+import comfy.sd  # noqa: E402
+import comfy.utils  # noqa: E402
+import folder_paths  # noqa: E402
+from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
+
+from lowbit.nodes.common import NodeInputError  # noqa: E402
+from lowbit.nodes.loader import LowBitLoadDiffusionModel  # noqa: E402
+from lowbit.nodes.model_quant import (NotADiffusionModelError, NothingToQuantizeError, is_quantized,  # noqa: E402
+                                      model_info, native_state_dict, quantize_model, quantized_layers)
+from lowbit.nodes.quantize import CACHE, LowBitQuantizeModel, QuantizeCache, quantize_node  # noqa: E402
+from lowbit.quant.checkpoint import save_checkpoint  # noqa: E402
+from lowbit.quant.policy import Policy  # noqa: E402
+from lowbit.quant.quantize import quantize_state_dict  # noqa: E402
+
+MODE = "int8_convrot"
+#: LoRA targets: two layers the flux1 preset quantizes and one it keeps float (img_in)
+LORA_TARGETS = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "img_in")
+LORA_RANK = 4
+
+
+@pytest.fixture(scope="module")
+def float_model():
+    return load_stock(tiny_flux_bf16())
+
+
+@pytest.fixture(scope="module")
+def float_output(float_model):
+    return run_flux(float_model)
+
+
+@pytest.fixture
+def models_dir(tmp_path, monkeypatch):
+    """A private models/diffusion_models folder for the loader node."""
+    folder = tmp_path / "diffusion_models"
+    folder.mkdir()
+    exts = folder_paths.folder_names_and_paths["diffusion_models"][1]
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models", ([str(folder)], exts))
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    return folder
+
+
+def _quantize(model, **inputs):
+    out = LowBitQuantizeModel.execute(model=model, mode=inputs.pop("mode", MODE), **inputs)
+    return out.result[0]
+
+
+def _weights(model_patcher) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in model_patcher.model.diffusion_model.named_parameters()}
+
+
+# ---- schemas ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("node", [LowBitLoadDiffusionModel, LowBitQuantizeModel])
+def test_schema_is_lowbit_and_every_input_has_a_tooltip(node):
+    schema = node.define_schema()
+    assert schema.category == "LowBit" and "(LowBit)" in schema.display_name and schema.description
+    assert schema.inputs and all(i.tooltip for i in schema.inputs), [i.id for i in schema.inputs if not i.tooltip]
+    required = [i.id for i in schema.inputs if not i.optional]
+    assert required == (["unet_name", "mode"] if node is LowBitLoadDiffusionModel else ["model", "mode"])
+
+
+# ---- Quantize Model (LowBit) ------------------------------------------------------------------------
+
+def test_quantize_node_quantizes_without_touching_its_input(float_model, float_output):
+    before = {name: (type(m), m.weight.data_ptr()) for name, m in float_model.model.diffusion_model.named_modules()
+              if hasattr(m, "weight") and isinstance(getattr(m, "weight"), torch.Tensor)}
+    quantized = _quantize(float_model)
+    assert quantized is not float_model and quantized.model is not float_model.model
+    layers = quantized_layers(quantized)
+    assert layers and {fmt for _, fmt, _ in layers} == {MODE}
+    assert all(isinstance(qt, QuantizedTensor) for _, _, qt in layers)
+    info = model_info(quantized)
+    assert info.source == "quantized in memory" and info.plan.mode == MODE and info.plan.preset == "flux1"
+    out = run_flux(quantized)
+    assert not torch.equal(out, float_output) and sqnr_db(float_output, out) > 26.0
+    after = {name: (type(m), m.weight.data_ptr()) for name, m in float_model.model.diffusion_model.named_modules()
+             if hasattr(m, "weight") and isinstance(getattr(m, "weight"), torch.Tensor)}
+    assert after == before
+    assert not is_quantized(float_model) and torch.equal(run_flux(float_model), float_output)
+
+
+def test_quantize_node_caches_per_input_patches_and_settings(float_model):
+    first = _quantize(float_model)
+    assert _quantize(float_model) is first  # a re-run graph does not quantize again
+    assert _quantize(float_model, int4_mixed_ratio=0.2, preset="auto") is first
+    other_mode = _quantize(float_model, mode="int8")
+    assert other_mode is not first
+    patched = float_model.clone()
+    patched.add_patches({"diffusion_model.img_in.bias": (torch.zeros(256),)}, 1.0)
+    assert _quantize(patched) is not first  # new patches uuid
+    assert CACHE.get(float_model, Policy(mode=MODE)) is first
+
+
+def test_quantize_cache_holds_no_model_alive(float_model):
+    cache = QuantizeCache()
+    source = float_model.clone()
+    result = quantize_node(source, "int8", cache=cache)
+    assert len(cache) == 1 and quantize_node(source, "int8", cache=cache) is result
+    del result
+    gc.collect()
+    assert len(cache) == 0  # the result was only weakly held
+    del source
+    gc.collect()
+    assert len(cache._by_input) == 0
+
+
+def test_enable_bypass_as_needed_and_always(float_model):
+    assert _quantize(float_model, enable="bypass") is float_model
+    quantized = _quantize(float_model)
+    assert is_quantized(quantized)
+    assert _quantize(quantized, enable="as_needed") is quantized
+    with pytest.raises(NothingToQuantizeError, match="nothing to quantize"):
+        _quantize(quantized, mode="int8", enable="always")
+    with pytest.raises(NodeInputError):
+        _quantize(float_model, enable="sometimes")
+
+
+def _lora(state_dict, scale: float = 3.0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    lora = {}
+    for layer in LORA_TARGETS:
+        out_f, in_f = state_dict[f"{layer}.weight"].shape
+        lora[f"diffusion_model.{layer}.lora_up.weight"] = torch.randn(out_f, LORA_RANK, generator=gen) * scale / out_f ** 0.5
+        lora[f"diffusion_model.{layer}.lora_down.weight"] = torch.randn(LORA_RANK, in_f, generator=gen) / in_f ** 0.5
+        lora[f"diffusion_model.{layer}.alpha"] = torch.tensor(float(LORA_RANK))
+    return lora
+
+
+def _delta(lora, layer: str, strength: float = 1.0) -> torch.Tensor:
+    up, down = lora[f"diffusion_model.{layer}.lora_up.weight"], lora[f"diffusion_model.{layer}.lora_down.weight"]
+    return strength * (up @ down)
+
+
+def test_a_stock_lora_is_baked_into_the_quantized_weights_once(float_model):
+    base = tiny_flux_bf16()
+    lora = _lora(base)
+    lora_model, _ = comfy.sd.load_lora_for_models(float_model, None, lora, 1.0, 0)
+    assert len(lora_model.patches) == len(LORA_TARGETS)
+    lora_out = run_flux(lora_model)  # leaves the shared float model loaded *with the LoRA patched in*
+
+    quantized = _quantize(lora_model)
+    assert not quantized.patches, "baked patches must not stay pending on the result"
+    assert len(lora_model.patches) == len(LORA_TARGETS) and not float_model.patches
+    weights = dict(quantized.model.diffusion_model.named_modules())
+    for layer in LORA_TARGETS:
+        w, delta = base[f"{layer}.weight"].float(), _delta(lora, layer)
+        stored = weights[layer].weight
+        stored = stored.dequantize().float() if isinstance(stored, QuantizedTensor) else stored.float()
+        once, none, twice = sqnr_db(w + delta, stored), sqnr_db(w, stored), sqnr_db(w + 2 * delta, stored)
+        assert once > 30.0 and once > none + 10 and once > twice + 10, (layer, once, none, twice)
+    assert model_info(quantized).baked_patches == len(LORA_TARGETS)
+
+    # outputs: the LoRA merged by hand into the float weights, then quantized, gives the same model
+    merged = {k: v.float() for k, v in base.items()}
+    for layer in LORA_TARGETS:
+        merged[f"{layer}.weight"] = merged[f"{layer}.weight"] + _delta(lora, layer)
+    expected = run_flux(quantize_model(load_stock(merged), Policy(mode=MODE)))
+    without = run_flux(_quantize(float_model))
+    out = run_flux(quantized)
+    assert sqnr_db(expected, out) > 45.0 and sqnr_db(expected, out) > sqnr_db(without, out) + 15.0
+    assert sqnr_db(lora_out, out) > 26.0
+    assert torch.equal(run_flux(lora_model), lora_out), "the LoRA model itself must be unchanged"
+
+
+def test_native_state_dict_round_trips_through_stock_comfyui(float_model, tmp_path):
+    quantized = _quantize(float_model)
+    sd = native_state_dict(quantized)
+    assert not any(k.startswith("diffusion_model.") for k in sd)
+    assert sum(k.endswith(".comfy_quant") for k in sd) == len(quantized_layers(quantized))
+    path = save_checkpoint(sd, tmp_path / "saved.safetensors")
+    reloaded = load_stock(comfy.utils.load_torch_file(str(path)))
+    assert torch.equal(run_flux(reloaded), run_flux(quantized))
+
+
+def test_progress_reports_every_quantized_layer(float_model):
+    calls = []
+    quantized = quantize_model(float_model, Policy(mode="int8"), progress=lambda done, total: calls.append((done, total)))
+    total = len(quantized_layers(quantized))
+    assert calls == [(i, total) for i in range(1, total + 1)]
+
+
+# ---- Load Diffusion Model (LowBit) ------------------------------------------------------------------
+
+def _load(name: str, mode: str, **inputs):
+    return LowBitLoadDiffusionModel.execute(unet_name=name, mode=mode, **inputs).result[0]
+
+
+def test_loader_quantizes_while_loading_like_the_quantize_node(models_dir, float_model, float_output):
+    save_checkpoint(tiny_flux_bf16(), models_dir / "flux.safetensors")
+    loaded = _load("flux.safetensors", MODE)
+    assert model_info(loaded).source == "converted while loading"
+    assert torch.equal(run_flux(loaded), run_flux(_quantize(float_model)))
+    as_float = _load("flux.safetensors", "native")
+    assert not is_quantized(as_float) and torch.equal(run_flux(as_float), float_output)
+    in_bf16 = _load("flux.safetensors", "int8", weight_dtype="bf16", kernel_backend="eager")
+    layer = in_bf16.model.diffusion_model.double_blocks[0].img_attn.qkv
+    assert layer.weight.dtype == torch.bfloat16 and layer.lowbit_config.backend == "eager"
+    assert sqnr_db(float_output, run_flux(in_bf16)) > 20.0
+
+
+def test_loader_reads_a_native_file_as_stock_comfyui_does(models_dir):
+    state_dict, _ = quantize_state_dict(tiny_flux_bf16(), Policy(mode=MODE))
+    path = save_checkpoint(state_dict, models_dir / "flux_int8.safetensors")
+    loaded = _load("flux_int8.safetensors", "native")
+    assert model_info(loaded).source == "loaded native file" and len(quantized_layers(loaded)) == 26
+    stock = load_stock(comfy.utils.load_torch_file(str(path)))
+    assert torch.equal(run_flux(loaded), run_flux(stock))
+    converted = _load("flux_int8.safetensors", "fp8_rowwise")  # an already quantized file, converted again
+    assert {fmt for _, fmt, _ in quantized_layers(converted)} == {"fp8_rowwise"}
+
+
+def test_loader_errors_name_the_problem(models_dir):
+    with pytest.raises(NodeInputError, match="no_such_model"):
+        _load("no_such_model.safetensors", MODE)
+    save_checkpoint({"text_model.embeddings.weight": torch.randn(64, 32).to(torch.bfloat16)},
+                    models_dir / "not_a_model.safetensors")
+    with pytest.raises(NotADiffusionModelError, match="not_a_model.safetensors"):
+        _load("not_a_model.safetensors", MODE)
+    (models_dir / "garbage.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(Exception, match="garbage.safetensors"):
+        _load("garbage.safetensors", "native")
+
+
+def test_a_model_with_no_quantizable_layer_is_a_clear_error(float_model):
+    with pytest.raises(NothingToQuantizeError, match="kept in float"):
+        quantize_model(float_model, Policy(mode=MODE, extra_keep_float=(".*",)))
