@@ -241,8 +241,8 @@ def apply_lora_stack(model_patcher, entries: Sequence[LoraEntry | None], mode: s
         files[name] = (file_key, state_dict)
         slots.append(StackSlot(name, parsed_lora(info, file_key, state_dict), float(entry.strength)))
     report = stack_report(slots, mode)
-    for line in report.splitlines():
-        log.info("LowBit: %s", line)
+    unmatched = sum(len(s.parsed.unmatched) for s in active_slots(slots))
+    log.log(logging.WARNING if unmatched else logging.INFO, "LowBit: %s", report.replace("\n", "\n  "))
 
     patcher = model_patcher.clone()
     active = active_slots(slots)

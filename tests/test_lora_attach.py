@@ -126,3 +126,13 @@ def test_stochastic_dense_deltas_from_adapters():
     with torch.no_grad():
         assert sqnr_db(x @ diff.T, model.blocks[1](x) - before) > 10
     merge.detach()
+
+
+def test_bench_smoke_run():
+    """The Show-4 benchmark runs end to end (tiny shapes on CPU; the real numbers come from a GPU)."""
+    from lowbit.lora.bench import main
+
+    out = main(["--hidden", "256", "--tokens", "8", "--blocks", "1", "1", "--iters", "1", "--rank", "4"])
+    step = out["step"]
+    assert {"base_ms", "dynamic_1_ms", "dynamic_4_ms", "stochastic_4_ms"} <= set(step)
+    assert out["merge"]["layers"] == 2 * 5 + 3 and out["merge"]["merge_seconds"] > 0

@@ -109,9 +109,11 @@ def test_strong_lora_does_not_clip(fmt):
     merged = dequant(result.weight)
     fresh = dequant(codec.quantize(target, compute_dtype=torch.float32, seed=9 if KITCHEN_W4A8_SEED or fmt != "w4a8" else 0))
     assert sqnr_db(target, merged) > sqnr_db(target, fresh) - 1.0, (fmt, sqnr_db(target, merged), sqnr_db(target, fresh))
-    assert float(merged.abs().amax()) > 0.95 * float(target.abs().amax())  # the peaks survive
     if result.path == "in-basis":
+        assert float(merged.abs().amax()) > 0.95 * float(target.abs().amax())  # the peaks survive
         assert result.rescaled > result.scales // 2  # most rows (or the one scale) had to grow
+    else:  # requantized by the format's own quantizer (w4a8's codebook may not reach the peak itself)
+        assert float(merged.abs().amax()) > 0.95 * float(fresh.abs().amax())
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)

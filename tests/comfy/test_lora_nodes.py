@@ -295,3 +295,14 @@ def test_load_lora_and_fixed_stack_nodes(comfy_env):
     stack, report = lora_nodes.LowBitLoadLoraStack.execute(model, "dynamic", **slots).result
     assert "1 active of 2" in report and "off (strength 0)" in report
     assert sqnr_db(run_flux(one), run_flux(stack)) > 60
+
+
+def test_node_schemas():
+    """The four nodes declare valid V3 schemas; the stack grows to 100 entries and the fixed stack has 10."""
+    for cls in lora_nodes.NODE_CLASSES:
+        schema = cls.GET_SCHEMA()
+        assert schema.category == "LowBit" and cls.INPUT_TYPES()
+    apply_inputs = {i.id: i for i in lora_nodes.LowBitApplyLoraStack.GET_SCHEMA().inputs}
+    assert apply_inputs["loras"].template.max == 100
+    fixed = lora_nodes.LowBitLoadLoraStack.INPUT_TYPES()
+    assert sum(1 for name in fixed["optional"] if name.startswith("lora_")) == 10
