@@ -103,7 +103,10 @@ class DynamicLoras:
 
 def _lora_hook(bank: LoraBank):
     def hook(module, args, output):
-        return output + apply(args[0], bank)
+        term = apply(args[0], bank)
+        if output.requires_grad or term.requires_grad:
+            return output + term
+        return output.add_(term)  # the layer's fresh output: add in place, no second activation buffer
 
     return hook
 
