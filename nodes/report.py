@@ -132,7 +132,7 @@ class LowBitQuantizationReport(io.ComfyNode):
                                  "relative output error against the dequantized float weight (slower)."),
                 io.Int.Input("probe_tokens", default=64, min=1, max=4096, optional=True, advanced=True,
                              tooltip="Rows of the random probe input used by measure_error."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True,
+                io.Int.Input("probe_seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True,
                              tooltip="Seed of the random probe input."),
             ],
             outputs=[io.String.Output("report", tooltip="The same table as markdown text.")],
@@ -140,11 +140,11 @@ class LowBitQuantizationReport(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, measure_error: bool, probe_tokens: int = 64, seed: int = 0) -> io.NodeOutput:
+    def execute(cls, model, measure_error: bool, probe_tokens: int = 64, probe_seed: int = 0) -> io.NodeOutput:
         from .model_quant import quantized_layers
 
         layers = quantized_layers(model)
-        rows = layer_rows(layers, measure_error=measure_error, probe_tokens=probe_tokens, seed=seed)
+        rows = layer_rows(layers, measure_error=measure_error, probe_tokens=probe_tokens, seed=probe_seed)
         other = other_tensor_bytes(model, {_strip(layer) for layer, _, _ in layers})
         table = format_table(rows, other, measured=measure_error)
         return io.NodeOutput(table, ui=ui.PreviewText(table))
