@@ -56,6 +56,9 @@ MODE_TOOLTIP = ("stochastic: merge all LoRAs into the quantized weights with one
                 "weak LoRAs survive, strong ones do not clip). dynamic: keep weights, add the LoRAs at run time "
                 "(strength changes are instant, never re-quantize). standard: ComfyUI's own LoRA patching.")
 STRENGTH = dict(default=1.0, min=-100.0, max=100.0, step=0.01)
+#: not called "seed": the front end would randomize it after every run, re-merging (and changing) the weights
+MERGE_SEED = dict(default=0, min=0, max=2**31 - 1, optional=True, advanced=True, control_after_generate=False,
+                  tooltip="stochastic mode: the rounding seed (the same seed gives bit-identical weights).")
 
 LoraEntryType = io.Custom("LOWBIT_LORA")
 
@@ -376,16 +379,15 @@ class LowBitApplyLoraStack(io.ComfyNode):
                 io.Model.Input("model"),
                 io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP),
                 io.Autogrow.Input("loras", template=template, optional=True),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True,
-                             tooltip="stochastic mode: the rounding seed (the same seed gives the same weights)."),
+                io.Int.Input("merge_seed", **MERGE_SEED),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="report")],
         )
 
     @classmethod
-    def execute(cls, model, mode: str, loras: io.Autogrow.Type = None, seed: int = 0) -> io.NodeOutput:
+    def execute(cls, model, mode: str, loras: io.Autogrow.Type = None, merge_seed: int = 0) -> io.NodeOutput:
         entries = [value for _, value in sorted((loras or {}).items(), key=lambda kv: _slot_index(kv[0]))]
-        patched, report = apply_lora_stack(model, entries, mode, seed)
+        patched, report = apply_lora_stack(model, entries, mode, merge_seed)
         return io.NodeOutput(patched, report)
 
 
@@ -408,15 +410,15 @@ class LowBitLoadLora(io.ComfyNode):
                 io.Combo.Input("lora_name", options=_lora_names(), tooltip="The LoRA file (models/loras)."),
                 io.Float.Input("strength", **STRENGTH),
                 io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True),
+                io.Int.Input("merge_seed", **MERGE_SEED),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, model, lora_name: str, strength: float, mode: str, seed: int = 0) -> io.NodeOutput:
+    def execute(cls, model, lora_name: str, strength: float, mode: str, merge_seed: int = 0) -> io.NodeOutput:
         entry = LoraEntry(lora_name, lora_path(lora_name), float(strength))
-        return io.NodeOutput(apply_lora_stack(model, [entry], mode, seed)[0])
+        return io.NodeOutput(apply_lora_stack(model, [entry], mode, merge_seed)[0])
 
 
 class LowBitLoadLoraStack(io.ComfyNode):
@@ -427,7 +429,7 @@ class LowBitLoadLoraStack(io.ComfyNode):
         for i in range(1, FIXED_SLOTS + 1):
             inputs.append(io.Combo.Input(f"lora_{i}", options=[NONE, *_lora_names()], default=NONE, optional=True))
             inputs.append(io.Float.Input(f"strength_{i}", **STRENGTH, optional=True))
-        inputs.append(io.Int.Input("seed", default=0, min=0, max=2**31 - 1, optional=True, advanced=True))
+        inputs.append(io.Int.Input("merge_seed", **MERGE_SEED))
         return io.Schema(
             node_id="LowBitLoadLoraStack",
             display_name="Load LoRA Stack (LowBit)",
@@ -438,13 +440,13 @@ class LowBitLoadLoraStack(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, mode: str, seed: int = 0, **slots) -> io.NodeOutput:
+    def execute(cls, model, mode: str, merge_seed: int = 0, **slots) -> io.NodeOutput:
         entries = []
         for i in range(1, FIXED_SLOTS + 1):
             name = slots.get(f"lora_{i}", NONE)
             if name and name != NONE:
                 entries.append(LoraEntry(name, lora_path(name), float(slots.get(f"strength_{i}", 1.0))))
-        patched, report = apply_lora_stack(model, entries, mode, seed)
+        patched, report = apply_lora_stack(model, entries, mode, merge_seed)
         return io.NodeOutput(patched, report)
 
 

@@ -302,6 +302,8 @@ def test_node_schemas():
     for cls in lora_nodes.NODE_CLASSES:
         schema = cls.GET_SCHEMA()
         assert schema.category == "LowBit" and cls.INPUT_TYPES()
+        seeds = [i for i in schema.inputs if "seed" in i.id]
+        assert all(i.id == "merge_seed" and i.control_after_generate is False for i in seeds)  # never randomized
     apply_inputs = {i.id: i for i in lora_nodes.LowBitApplyLoraStack.GET_SCHEMA().inputs}
     assert apply_inputs["loras"].template.max == 100
     fixed = lora_nodes.LowBitLoadLoraStack.INPUT_TYPES()
