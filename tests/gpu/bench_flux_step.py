@@ -1,0 +1,221 @@
+"""Whole-model measurements on a Flux.1-dev-sized model (random weights, real ComfyUI Flux class).
+
+One run, one JSON report (``--out``), every ratio against bf16 measured in the same process:
+
+* quantize: wall time of ``Quantize Model``'s core (``nodes.model_quant.quantize_model``) per mode;
+* step: median time of one diffusion-model forward at 1024x1024 (4096 image + 512 text tokens,
+  batch 1, eager) per mode, its speed-up over bf16 and its relative output error against the
+  bf16 output on the same input;
+* offload (``--offload-cap-gb``): bf16 and one quantized mode loaded through ComfyUI's model
+  management with the VRAM budget capped below the model's size (partial loading, weight
+  streaming); step time and peak VRAM.
+
+Not a pytest file (GPU only). ``--size tiny --device cpu`` is a quick smoke run of the same code.
+Usage: ``python tests/gpu/bench_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out r.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger("bench_flux_step")
+
+SIZES = {
+    # hidden, double, single, context, vec, image tokens side (latent/2), text tokens
+    "dev": dict(hidden_size=3072, depth=19, depth_single_blocks=38, context_in_dim=4096, vec_in_dim=768, side=64, txt=512),
+    "tiny": dict(hidden_size=256, depth=2, depth_single_blocks=2, context_in_dim=64, vec_in_dim=32, side=8, txt=16),
+}
+
+
+def import_comfy(device: str):
+    comfy_path = os.environ.get("COMFYUI_PATH", os.path.expanduser("~/ComfyUI"))
+    sys.path.insert(0, comfy_path)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = device == "cpu"
+    import comfy.model_management  # noqa: F401
+    import comfy.model_patcher  # noqa: F401
+    import comfy.supported_models  # noqa: F401
+
+
+def build_flux(size: str, device: torch.device, seed: int = 0):
+    """A ModelPatcher over a Flux model of ``size`` with random bf16 weights (outlier input channels)."""
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    s = SIZES[size]
+    unet_config = {
+        "image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": s["vec_in_dim"],
+        "context_in_dim": s["context_in_dim"], "hidden_size": s["hidden_size"], "mlp_ratio": 4.0,
+        "num_heads": s["hidden_size"] // 128, "depth": s["depth"], "depth_single_blocks": s["depth_single_blocks"],
+        "axes_dim": [16, 56, 56], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": True,
+        "txt_ids_dims": [],
+    }
+    config = comfy.supported_models.Flux(unet_config)
+    config.set_inference_dtype(torch.bfloat16, None)
+    model = config.get_model({}, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.diffusion_model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1 / math.sqrt(p.shape[1]), generator=gen)
+                cols = torch.randint(0, p.shape[1], (max(1, p.shape[1] // 512),), device=device, generator=gen)
+                p[:, cols] *= 8
+            elif name.endswith("norm.weight") or name.endswith("scale"):
+                p.fill_(1)
+            else:
+                p.normal_(0, 0.02, generator=gen)
+    model.diffusion_model.to(dtype=torch.bfloat16)
+    offload = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=offload)
+
+
+def inputs(size: str, device: torch.device, seed: int = 1):
+    s = SIZES[size]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    side = s["side"] * 2  # latent side (patch 2)
+    x = torch.randn(1, 16, side, side, generator=gen, device=device, dtype=torch.bfloat16)
+    ctx = torch.randn(1, s["txt"], s["context_in_dim"], generator=gen, device=device, dtype=torch.bfloat16)
+    y = torch.randn(1, s["vec_in_dim"], generator=gen, device=device, dtype=torch.bfloat16)
+    t = torch.full((1,), 0.5, device=device, dtype=torch.bfloat16)
+    g = torch.full((1,), 3.5, device=device, dtype=torch.bfloat16)
+    return x, t, ctx, y, g
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_time(dm, args, device, iters: int) -> tuple[float, torch.Tensor]:
+    x, t, ctx, y, g = args
+    with torch.inference_mode():
+        out = dm(x, t, ctx, y=y, guidance=g)
+        sync(device)
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dm(x, t, ctx, y=y, guidance=g)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            else:
+                t0 = time.perf_counter()
+                dm(x, t, ctx, y=y, guidance=g)
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times), out.float()
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).norm() / ref.norm())
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="dev")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--modes", nargs="+", default=["int8", "int8_convrot", "int8_quarot", "int8_hadanorm", "fp8",
+                                                  "fp8_rowwise", "w4a8", "w4a4"])
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--offload-cap-gb", type=float, default=0.0, help="also run the capped-VRAM comparison")
+    p.add_argument("--offload-mode", default="int8_convrot")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    device = torch.device(a.device)
+    import_comfy(device.type)
+    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.quant.policy import Policy
+
+    report = {"size": a.size, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "modes": {}}
+    t0 = time.perf_counter()
+    base = build_flux(a.size, device)
+    report["build_s"] = time.perf_counter() - t0
+    dm = base.model.diffusion_model
+    report["params"] = sum(p.numel() for p in dm.parameters())
+    args = inputs(a.size, device)
+    bf16_s, ref = step_time(dm, args, device, a.iters)
+    report["bf16_step_s"] = bf16_s
+    log.info("bf16 step %.4f s (%d params)", bf16_s, report["params"])
+    for mode in a.modes:
+        row = {}
+        try:
+            sync(device)
+            t0 = time.perf_counter()
+            q = quantize_model(base, Policy(mode=mode))
+            sync(device)
+            row["quantize_s"] = time.perf_counter() - t0
+            qdm = q.model.diffusion_model
+            row["weight_bytes"] = sum(getattr(p, "nbytes", p.numel() * p.element_size()) for p in qdm.parameters())
+            step_s, out = step_time(qdm, args, device, a.iters)
+            row.update(step_s=step_s, speedup=bf16_s / step_s, rel_err=rel_err(out, ref))
+            del q, qdm, out
+        except Exception as err:  # one mode failing must not lose the others' numbers
+            log.exception("mode %s failed", mode)
+            row["error"] = f"{type(err).__name__}: {err}"
+        report["modes"][mode] = row
+        log.info("%s: %s", mode, row)
+        free(device)
+    if a.offload_cap_gb > 0 and device.type == "cuda":
+        report["offload"] = offload_compare(base, a, args, device)
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return report
+
+
+def offload_compare(base, a, args, device) -> dict:
+    """bf16 vs one quantized mode through ComfyUI's model management under a VRAM cap."""
+    import comfy.model_management as mm
+    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.quant.policy import Policy
+
+    result = {"cap_gb": a.offload_cap_gb}
+    q = quantize_model(base, Policy(mode=a.offload_mode))
+    base.model.to("cpu")
+    q.model.to("cpu")
+    free(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    saved = mm.EXTRA_RESERVED_VRAM
+    mm.EXTRA_RESERVED_VRAM = int(total - a.offload_cap_gb * 1024**3)
+    try:
+        for label, patcher in (("bf16", base), (a.offload_mode, q)):
+            mm.unload_all_models()
+            free(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            mm.load_models_gpu([patcher])
+            loaded = patcher.loaded_size() if hasattr(patcher, "loaded_size") else None
+            step_s, _ = step_time(patcher.model.diffusion_model, args, device, a.iters)
+            result[label] = {"step_s": step_s, "peak_vram_gb": torch.cuda.max_memory_allocated(device) / 1024**3,
+                             "loaded_gb": None if loaded is None else loaded / 1024**3,
+                             "model_gb": patcher.model_size() / 1024**3}
+            log.info("offload %s: %s", label, result[label])
+    finally:
+        mm.EXTRA_RESERVED_VRAM = saved
+        mm.unload_all_models()
+    return result
+
+
+if __name__ == "__main__":
+    run()
