@@ -21,6 +21,7 @@ NODE_MODULES: dict[str, tuple[str, ...]] = {
     "quantize": ("LowBitQuantizeModel",),
     "save": ("LowBitSaveQuantizedModel",),
     "report": ("LowBitQuantizationReport",),
+    "lora_nodes": ("LowBitLoraStackEntry", "LowBitApplyLoraStack", "LowBitLoadLora", "LowBitLoadLoraStack"),
 }
 
 
