@@ -16,7 +16,8 @@ from e2e_models import TinySD3Config, tiny_sd3, write_safetensors
 
 SD3 = "tiny_sd3.safetensors"
 CONFIG = TinySD3Config()
-MIN_LATENT_SQNR = {"int8_convrot": 25.0, "fp8_rowwise": 18.0}
+# measured (CPU): int8_convrot 44.7 dB, fp8_rowwise 33.5 dB against the float model; 6-7 dB of margin
+MIN_LATENT_SQNR = {"int8_convrot": 38.0, "fp8_rowwise": 27.0}
 
 
 def _conditioning(g):
