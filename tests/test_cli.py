@@ -385,3 +385,16 @@ def test_bench_kernels_hook(quick):
         assert run.returncode == 2 and "kernels/bench.py is missing" in run.stderr, run
     else:
         assert run.returncode == 0 and "usage" in run.stdout.lower(), run
+
+
+def test_readme_lists_every_node():
+    """README's node table names every node class that nodes/__init__.py registers (read without ComfyUI)."""
+    import ast
+
+    tree = ast.parse((REPO / "nodes" / "__init__.py").read_text(encoding="utf-8"))
+    registry = next(node.value for node in ast.walk(tree) if isinstance(node, ast.AnnAssign)
+                    and getattr(node.target, "id", None) == "NODE_MODULES")
+    classes = [name for names in ast.literal_eval(registry).values() for name in names]
+    nodes = _block("README.md", "nodes")
+    missing = [name for name in classes if f"`{name}`" not in nodes]
+    assert classes and not missing, f"README's Nodes section lacks {missing}"
