@@ -5,10 +5,10 @@ A safetensors file is an 8-byte little-endian header length ``n``, ``n`` bytes o
 padded with spaces) and the tensor bytes, back to back, offsets relative to the end of the header.
 
 :class:`SafetensorsFile` parses and checks the whole header before any tensor is read, then reads
-one tensor at a time with a positioned read into a fresh buffer. That costs exactly one tensor of
-memory: unlike a memory map, whose touched pages stay in the process's resident set until it is
-unmapped, the pages read here sit in the OS page cache only, so a converter streaming a 20 GB file
-stays at a few tensors of RSS.
+one tensor at a time with a positioned read into a fresh buffer. Opening costs no memory and each
+read exactly one tensor; the file's pages sit in the OS page cache, not in the process (a memory
+map of the whole file would count every page touched in the process's RSS until unmapped), so a
+converter streaming a 20 GB file stays at a few tensors of RSS.
 
 :class:`SafetensorsWriter` takes tensors one at a time and writes them straight to a temp file in
 the destination directory (leaving room for the header, which is written last), then fsyncs it and
