@@ -30,8 +30,9 @@ class RuntimeStateError(LowBitError):
 def runtime_state(model) -> list[str]:
     """What on ``model`` (a ComfyUI ``ModelPatcher``) a saved file could not hold; empty when savable.
 
-    Pending weight patches (a LoRA connected after quantization, hooks) would be silently dropped,
-    and object patches replace parts of the model with Python objects that are not weights.
+    Pending weight patches (a LoRA connected after quantization, hooks) and injections (LowBit's
+    stochastic / dynamic LoRA modes) would be silently dropped, and object patches replace parts of
+    the model with Python objects that are not weights.
     """
     found = []
     patches = getattr(model, "patches", None) or {}
@@ -44,6 +45,10 @@ def runtime_state(model) -> list[str]:
     wrapper_patches = getattr(model, "weight_wrapper_patches", None) or {}
     if wrapper_patches:
         found.append(f"{len(wrapper_patches)} weight wrapper patch(es)")
+    injections = {key: found for key, found in (getattr(model, "injections", None) or {}).items() if found}
+    if injections:
+        found.append(f"patcher injections {sorted(injections)} (e.g. a LowBit LoRA in stochastic or dynamic mode, "
+                     f"applied when the model loads)")
     object_patches = getattr(model, "object_patches", None) or {}
     if object_patches:
         found.append(f"object patches {sorted(object_patches)} (model parts replaced at run time)")

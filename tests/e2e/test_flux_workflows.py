@@ -214,6 +214,21 @@ def test_save_refuses_a_lora_applied_after_quantization(comfy_server, flux):
     assert not list((comfy_server.output_dir / "diffusion_models").glob("must_not_exist*"))
 
 
+@pytest.mark.parametrize("lora_mode", ["dynamic", "stochastic"])
+def test_save_refuses_a_lowbit_lora_applied_at_load_time(comfy_server, flux, lora_mode):
+    """LowBit's LoRA modes attach as patcher injections: saving would silently drop the LoRA."""
+    g = wf.Graph()
+    model = wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot")
+    patched = g.add("LowBitLoadLora", model=model, lora_name=LORA, strength=1.0, mode=lora_mode).out()
+    wf.save_quantized(g, patched, f"must_not_exist_{lora_mode}")
+    result = comfy_server.run(g.api())
+    assert result.status == "error", result.error_text()
+    err = result.execution_error
+    assert err["node_type"] == "LowBitSaveQuantizedModel"
+    assert "injections" in err["exception_message"], err["exception_message"]
+    assert not list((comfy_server.output_dir / "diffusion_models").glob("must_not_exist*"))
+
+
 def _assert_serving(server):
     g = wf.Graph()
     wf.sample_and_save(g, wf.unet_loader(g, FLUX), wf.flux_conditioning(g), "still_serving")

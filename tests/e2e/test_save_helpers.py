@@ -52,7 +52,7 @@ def test_metadata_holds_prompt_and_workflow_unless_disabled(save, metadata_flag)
 
 
 def _patcher(**state):
-    base = {"patches": {}, "hook_patches": {}, "weight_wrapper_patches": {}, "object_patches": {}}
+    base = {"patches": {}, "hook_patches": {}, "weight_wrapper_patches": {}, "object_patches": {}, "injections": {}}
     return SimpleNamespace(**{**base, **state})
 
 
@@ -65,6 +65,8 @@ def test_runtime_state_is_refused_with_the_fix(save):
     message = str(err.value)
     assert "1 pending weight patch" in message and "diffusion_model.blocks.0.proj.weight" in message
     assert "before* Quantize Model (LowBit)" in message
+    assert save.runtime_state(_patcher(injections={"lowbit_lora": []})) == []  # an emptied injection slot
+    assert any("lowbit_lora" in p for p in save.runtime_state(_patcher(injections={"lowbit_lora": [object()]})))
     sampling = _patcher(object_patches={"model_sampling": object()})
     assert any("model_sampling" in p for p in save.runtime_state(sampling))
     assert isinstance(err.value, ValueError)  # LowBit's user errors are ValueErrors
