@@ -224,7 +224,8 @@ def _sensitivity_rank(names: list[str], preset: Preset, prefix: str = "") -> lis
     Layers matching an ``int4_sensitive`` pattern come first, in pattern order; within a pattern,
     and among the other layers, a block nearer the start or end of its own block list comes
     first (Flux's last double block counts as an edge although single blocks follow it); layers
-    outside any block list rank with the edge blocks. Ties keep the model's order.
+    outside any block list rank with the edge blocks. Ties go by layer name in natural order
+    (``blocks.2`` before ``blocks.10``), so the plan never depends on the order of the keys.
     """
     sensitive = [_compile(p, "int4_sensitive") for p in preset.int4_sensitive]
     relative = {name: name[len(prefix):] if name.startswith(prefix) else name for name in names}
@@ -235,14 +236,13 @@ def _sensitivity_rank(names: list[str], preset: Preset, prefix: str = "") -> lis
             last[pos[0]] = max(last.get(pos[0], 0), pos[1])
     hits = {name: next((i for i, p in enumerate(sensitive) if p.search(relative[name])), None) for name in names}
 
-    def key(item):
-        order, name = item
+    def key(name):
         hit, pos = hits[name], positions[name]
         edge = min(pos[1], last[pos[0]] - pos[1]) if pos is not None else 0  # distance from the first/last block
-        return (0 if hit is not None else 1, hit if hit is not None else 0, edge, order)
+        return (0 if hit is not None else 1, hit if hit is not None else 0, edge, _natural(relative[name]))
 
     out = []
-    for _, name in sorted(enumerate(names), key=key):
+    for name in sorted(names, key=key):
         hit, pos = hits[name], positions[name]
         if hit is not None:
             why = f"int4_sensitive {sensitive[hit].pattern!r}"
@@ -252,6 +252,11 @@ def _sensitivity_rank(names: list[str], preset: Preset, prefix: str = "") -> lis
             why = "outside the block lists"
         out.append((name, f"int4_mixed: int8 budget ({why})"))
     return out
+
+
+def _natural(name: str) -> tuple:
+    """Sort key that orders digit runs numerically: ``blocks.2.x`` < ``blocks.10.x``."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name))
 
 
 def _int8_budget(names: list[str], decisions: Mapping[str, LayerDecision], preset: Preset, ratio: float,

@@ -22,7 +22,11 @@ log = logging.getLogger(__name__)
 
 def check_finite(name: str, weight: torch.Tensor) -> None:
     """Raise :class:`NonFiniteWeightError` when ``weight`` has NaN or Inf values."""
-    if weight.is_floating_point() and not torch.isfinite(weight).all():
+    if not weight.is_floating_point():
+        return
+    if weight.element_size() == 1:  # fp8: isfinite has no fp8 kernel
+        weight = weight.float()
+    if not torch.isfinite(weight).all():
         bad = int((~torch.isfinite(weight)).sum())
         raise NonFiniteWeightError(
             f"layer {name!r} has {bad} NaN/Inf values out of {weight.numel()}; quantizing would spread them through "

@@ -255,3 +255,27 @@ def test_plan_table_lists_every_layer():
     counts = plan.counts()
     assert lines[-1] == "layers per format: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
     assert sum(counts.values()) == len(plan.layers) and set(counts) == {"float", "int8_convrot", "w4a4"}
+
+
+def test_int4_mixed_plan_does_not_depend_on_key_order():
+    from lowbit.quant.demo import TinyFluxConfig, flux_shapes
+
+    shapes = flux_shapes(TinyFluxConfig(depth=3, depth_single_blocks=12))
+    policy = Policy(mode="int4_mixed", int4_mixed_ratio=0.3)
+    forward = {d.name: d.format for d in policy.plan(shapes).layers}
+    backward = {d.name: d.format for d in policy.plan(dict(reversed(list(shapes.items())))).layers}
+    assert forward == backward
+    assert "int8_convrot" in forward.values() and "w4a4" in forward.values()
+
+
+def test_fp8_source_weights_are_checked_for_nan():
+    import torch
+
+    from lowbit.quant.errors import NonFiniteWeightError
+    from lowbit.quant.quantize import quantize_weight
+
+    weight = torch.randn(64, 256).to(torch.float8_e4m3fn)
+    assert quantize_weight(weight, "int8").shape == (64, 256)
+    weight[3, 5] = float("nan")
+    with pytest.raises(NonFiniteWeightError, match="1 NaN/Inf"):
+        quantize_weight(weight, "int8")
