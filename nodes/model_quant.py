@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 DIFFUSION_PREFIX = "diffusion_model."
 INFO_ATTR = "lowbit_info"
 #: per-module attributes that only describe a model's current load state (never copied)
-_RUNTIME_ATTRS = ("_v", "_v_signature", "_v_weight", "_v_bias", "_prefetch", "_pin_state", "seed_key",
+#: (Dynamic VRAM's vbar allocation and pinned host buffers above all: sharing them corrupts both models)
+_RUNTIME_ATTRS = ("_v", "_v_signature", "_v_weight", "_v_bias", "_prefetch", "_pin_state", "_pins", "seed_key",
                   "weight_lowvram_function", "bias_lowvram_function", "comfy_patched_weights")
 #: model-level load bookkeeping reset on a copy (ModelPatcher.__init__ recreates the dynamic ones)
 _MODEL_STATE = {"model_loaded_weight_memory": 0, "lowvram_patch_counter": 0, "model_lowvram": False,

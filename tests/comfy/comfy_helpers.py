@@ -1,7 +1,9 @@
 """Import real ComfyUI in-process for the tests under tests/comfy, or skip them with the reason.
 
 ComfyUI is found through ``COMFYUI_PATH``, else ``~/ComfyUI``. It runs on the CPU unless
-``LOWBIT_TEST_DEVICE=cuda`` is set (so the suite behaves the same on a GPU-less CI box).
+``LOWBIT_TEST_DEVICE=cuda`` is set (so the suite behaves the same on a GPU-less CI box); with
+``LOWBIT_TEST_DYNAMIC_VRAM=1`` as well, Dynamic VRAM (comfy-aimdo) is switched on as ComfyUI's
+``main.py`` does, so models load through ``ModelPatcherDynamic``.
 """
 
 from __future__ import annotations
@@ -29,14 +31,39 @@ def _import_comfy():
         sys.path.insert(0, str(path))
     import comfy.cli_args
 
+    dynamic_vram = os.environ.get("LOWBIT_TEST_DYNAMIC_VRAM") == "1"
     if os.environ.get("LOWBIT_TEST_DEVICE", "cpu") == "cpu":
         comfy.cli_args.args.cpu = True
+    elif dynamic_vram:  # main.py loads comfy-aimdo's library before anything touches CUDA
+        import comfy_aimdo.control
+
+        comfy_aimdo.control.init()
     import comfy.model_management
     import comfy.ops
     import comfy.sd
     import comfy.utils
 
+    if dynamic_vram and not comfy.cli_args.args.cpu:
+        _enable_dynamic_vram()
     return comfy
+
+
+def _enable_dynamic_vram() -> None:
+    """What ComfyUI's main.py does when comfy-aimdo works on this machine."""
+    import comfy.memory_management
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy_aimdo.control
+
+    devices = comfy.model_management.get_all_torch_devices()
+    try:
+        ok = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
+    except TypeError:
+        ok = comfy_aimdo.control.init_devices(d.index for d in devices)
+    if not ok:
+        raise RuntimeError("LOWBIT_TEST_DYNAMIC_VRAM=1 but comfy-aimdo could not initialise the devices")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
 
 
 def require_comfy():
