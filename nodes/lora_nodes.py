@@ -376,7 +376,7 @@ class LowBitApplyLoraStack(io.ComfyNode):
             category=CATEGORY,
             description="Apply a stack of LoRAs (in slot order) to a quantized or float diffusion model. " + MODE_TOOLTIP,
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="The diffusion model to apply the LoRA(s) to: a LowBit quantized model, or any model in standard mode."),
                 io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP),
                 io.Autogrow.Input("loras", template=template, optional=True),
                 io.Int.Input("merge_seed", **MERGE_SEED),
@@ -406,9 +406,9 @@ class LowBitLoadLora(io.ComfyNode):
             category=CATEGORY,
             description="Apply one LoRA to a quantized or float diffusion model. " + MODE_TOOLTIP,
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="The diffusion model to apply the LoRA(s) to: a LowBit quantized model, or any model in standard mode."),
                 io.Combo.Input("lora_name", options=_lora_names(), tooltip="The LoRA file (models/loras)."),
-                io.Float.Input("strength", **STRENGTH),
+                io.Float.Input("strength", **STRENGTH, tooltip="How strongly the LoRA changes the model (may be negative)."),
                 io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP),
                 io.Int.Input("merge_seed", **MERGE_SEED),
             ],
@@ -424,11 +424,13 @@ class LowBitLoadLora(io.ComfyNode):
 class LowBitLoadLoraStack(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        inputs = [io.Model.Input("model"),
+        inputs = [io.Model.Input("model", tooltip="The diffusion model to apply the LoRA(s) to: a LowBit quantized model, or any model in standard mode."),
                   io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP)]
         for i in range(1, FIXED_SLOTS + 1):
-            inputs.append(io.Combo.Input(f"lora_{i}", options=[NONE, *_lora_names()], default=NONE, optional=True))
-            inputs.append(io.Float.Input(f"strength_{i}", **STRENGTH, optional=True))
+            inputs.append(io.Combo.Input(f"lora_{i}", options=[NONE, *_lora_names()], default=NONE, optional=True,
+                                         tooltip=f"LoRA file of slot {i} (models/loras); None leaves the slot off."))
+            inputs.append(io.Float.Input(f"strength_{i}", **STRENGTH, optional=True,
+                                         tooltip=f"Strength of slot {i}'s LoRA; 0 turns the slot off."))
         inputs.append(io.Int.Input("merge_seed", **MERGE_SEED))
         return io.Schema(
             node_id="LowBitLoadLoraStack",

@@ -31,8 +31,9 @@ def runtime_state(model) -> list[str]:
     """What on ``model`` (a ComfyUI ``ModelPatcher``) a saved file could not hold; empty when savable.
 
     Pending weight patches (a LoRA connected after quantization, hooks) and injections (LowBit's
-    stochastic / dynamic LoRA modes) would be silently dropped, and object patches replace parts of
-    the model with Python objects that are not weights.
+    stochastic / dynamic LoRA modes) would be silently dropped. Object patches (model sampling
+    settings, attention replacements...) are not weights: they are listed by :func:`unsaved_settings`
+    and logged, not refused, as stock ComfyUI's model save does.
     """
     found = []
     patches = getattr(model, "patches", None) or {}
@@ -49,10 +50,12 @@ def runtime_state(model) -> list[str]:
     if injections:
         found.append(f"patcher injections {sorted(injections)} (e.g. a LowBit LoRA in stochastic or dynamic mode, "
                      f"applied when the model loads)")
-    object_patches = getattr(model, "object_patches", None) or {}
-    if object_patches:
-        found.append(f"object patches {sorted(object_patches)} (model parts replaced at run time)")
     return found
+
+
+def unsaved_settings(model) -> list[str]:
+    """Run-time settings on ``model`` that a checkpoint does not carry (saved without them)."""
+    return sorted(getattr(model, "object_patches", None) or {})
 
 
 def check_savable(model) -> None:
@@ -132,6 +135,10 @@ class LowBitSaveQuantizedModel(io.ComfyNode):
         from .model_quant import native_state_dict, quantized_layers
 
         check_savable(model)
+        settings = unsaved_settings(model)
+        if settings:
+            log.info("Save Quantized Model: saving the weights without the run-time settings %s "
+                     "(not part of a checkpoint; set them again after loading)", settings)
         output_dir = folder_paths.get_output_directory()
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, output_dir)
         name = f"{filename}_{counter:05}_.safetensors"
