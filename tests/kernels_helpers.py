@@ -1,0 +1,43 @@
+"""Shared set-up for the kernel tests (``test_kernels_*``): the Triton CPU interpreter and seeded data.
+
+The kernel tests run the Triton kernels on the CPU through Triton's interpreter. It must be switched
+on before any Triton kernel is defined, so the test modules import this module first; it sets
+``TRITON_INTERPRET=1`` unless the environment already says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lowbit.kernels.backend import interpreting, triton_status  # noqa: E402
+
+
+def triton_interpreter_available() -> bool:
+    return triton_status().available and interpreting()
+
+
+def needs_triton_interpreter():
+    """``pytest.mark.skipif`` for tests that run Triton kernels on the CPU."""
+    status = triton_status()
+    reason = status.reason if not status.available else "TRITON_INTERPRET=0 was set explicitly"
+    return pytest.mark.skipif(not triton_interpreter_available(), reason=f"Triton interpreter unavailable: {reason}")
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def randint8(*shape: int, seed: int, low: int = -127, high: int = 128) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=g, dtype=torch.int8)
+
+
+def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (y.double() - ref).pow(2).sum()))

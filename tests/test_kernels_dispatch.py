@@ -1,0 +1,136 @@
+"""Backend selection and the measured dispatcher: forcing, caching to JSON, choosing by measurement,
+and recording why a backend is missing."""
+
+from __future__ import annotations
+
+from kernels_helpers import randint8, randn
+
+import json
+
+import pytest
+import torch
+
+from lowbit.kernels import backend as backend_mod
+from lowbit.kernels import dispatch
+from lowbit.kernels.backend import Backend, BackendUnavailableError, active_backend, force_backend
+from lowbit.kernels.dispatch import CACHE_VERSION, DispatchKey, Dispatcher, m_bucket, use_dispatcher
+from lowbit.kernels.int8_gemm import int8_linear
+
+KEY = DispatchKey("int8", (9, 0), 256, 3072, 3072)
+
+
+def test_force_backend_nests_and_restores():
+    assert active_backend() is Backend.AUTO
+    with force_backend("eager"):
+        assert active_backend() is Backend.EAGER
+        with force_backend(Backend.TRITON):
+            assert active_backend() is Backend.TRITON
+        assert active_backend() is Backend.EAGER
+    assert active_backend() is Backend.AUTO
+    with pytest.raises(ValueError):
+        with force_backend("cuda-magic"):
+            pass
+
+
+def test_m_buckets():
+    assert [m_bucket(m) for m in (1, 16, 17, 256, 257, 4096, 5000, 16384, 10**6)] == \
+        [16, 16, 32, 256, 512, 4096, 8192, 16384, 32768]
+    assert KEY.as_str() == "int8|sm90|m256|n3072|k3072"
+
+
+def _measuring(monkeypatch, timings):
+    """A dispatcher that 'measures' on the CPU with fixed timings (µs) per candidate name."""
+    d = Dispatcher(repeats=1, warmup=0)
+    monkeypatch.setattr(Dispatcher, "_can_measure", lambda self, device: True)
+
+    def fake_time(fn, warmup, repeats):
+        return timings[fn()]
+    monkeypatch.setattr(dispatch, "_time_us", fake_time)
+    return d
+
+
+def test_choose_measures_and_remembers(monkeypatch, tmp_path):
+    d = _measuring(monkeypatch, {"a": 30.0, "b": 10.0, "c": 20.0})
+    d.cache_path = tmp_path / "sub" / "dispatch.json"
+    name = d.choose(KEY, {n: (lambda n=n: n) for n in "abc"}, torch.device("cpu"))
+    assert name == "b" and d.decisions[KEY.as_str()] == "b"
+    data = json.loads(d.cache_path.read_text())
+    assert data["version"] == CACHE_VERSION and data["decisions"] == {KEY.as_str(): "b"}
+    assert data["timings_us"][KEY.as_str()]["c"] == 20.0
+    # a new dispatcher on the same file starts with the decision and measures nothing
+    again = Dispatcher(cache_path=d.cache_path)
+    assert again.choose(KEY, {"a": lambda: "a", "b": lambda: "b"}, torch.device("cpu")) == "b"
+
+
+def test_failing_candidates_are_recorded_not_raised(monkeypatch):
+    d = _measuring(monkeypatch, {"ok": 5.0})
+
+    def broken():
+        raise RuntimeError("no such kernel here")
+    assert d.choose(KEY, {"broken": broken, "ok": lambda: "ok"}, torch.device("cpu")) == "ok"
+    assert "no such kernel" in d.failures[KEY.as_str()]["broken"]
+    with pytest.raises(BackendUnavailableError, match="every implementation failed"):
+        d.choose(DispatchKey("x", (9, 0), 16, 1, 1), {"broken": broken, "also": broken}, torch.device("cpu"))
+
+
+def test_without_cuda_the_first_candidate_runs_unmeasured():
+    d = Dispatcher()
+    assert d.choose(KEY, {"first": lambda: 1 / 0, "second": lambda: 1 / 0}, torch.device("cpu")) == "first"
+    assert d.decisions == {}
+
+
+def test_unreadable_or_old_cache_is_ignored(tmp_path, caplog):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert Dispatcher(cache_path=bad).decisions == {}
+    assert "unreadable" in caplog.text
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"version": CACHE_VERSION + 1, "decisions": {"k": "v"}}))
+    assert Dispatcher(cache_path=old).decisions == {}
+
+
+def test_linear_uses_the_cached_choice_and_recovers_from_a_stale_one():
+    x, w = randn(4, 64, seed=1, dtype=torch.bfloat16), randint8(8, 64, seed=2)
+    scale = torch.full((8, 1), 1e-2)
+    key = DispatchKey("int8", (0, 0), 16, 8, 64).as_str()
+    d = Dispatcher(decisions={key: "dequant"})
+    with use_dispatcher(d):
+        dequant = int8_linear(x, w, scale)
+    with force_backend(Backend.DEQUANT):
+        assert torch.equal(dequant, int8_linear(x, w, scale))
+    stale = Dispatcher(decisions={key: "triton:999x1x1-g1-w1-s1"})
+    with use_dispatcher(stale):
+        out = int8_linear(x, w, scale)  # the stale name fails, is dropped, and the call still answers
+    assert key not in stale.decisions and out.shape == (4, 8)
+
+
+def test_forcing_an_unavailable_backend_says_why(monkeypatch):
+    x, w = randn(4, 64, seed=1, dtype=torch.bfloat16), torch.zeros(8, 64).to(torch.float8_e4m3fn)
+    from lowbit.kernels.fp8_gemm import fp8_rowwise_linear
+
+    with force_backend(Backend.KITCHEN), pytest.raises(BackendUnavailableError, match="kitchen"):
+        fp8_rowwise_linear(x, w, torch.ones(8, 1))
+
+
+def test_missing_triton_is_recorded_not_raised(monkeypatch):
+    backend_mod.triton_status.cache_clear()
+    monkeypatch.setitem(__import__("sys").modules, "triton", None)  # "import triton" now fails
+    try:
+        status = backend_mod.triton_status()
+        assert not status.available and "cannot be imported" in status.reason
+        assert "cannot be imported" in backend_mod.triton_problem(torch.device("cpu"))
+        x, w = randn(4, 64, seed=1, dtype=torch.bfloat16), randint8(8, 64, seed=2)
+        out = int8_linear(x, w, torch.full((8, 1), 1e-2))  # AUTO still answers, without Triton
+        assert out.shape == (4, 8)
+        with force_backend(Backend.TRITON), pytest.raises(BackendUnavailableError, match="cannot be imported"):
+            int8_linear(x, w, torch.full((8, 1), 1e-2))
+    finally:
+        backend_mod.triton_status.cache_clear()
+
+
+def test_triton_problem_explains_old_gpus(monkeypatch):
+    monkeypatch.setattr(backend_mod, "capability", lambda device: (7, 5))
+    assert "8.0" in backend_mod.triton_problem(torch.device("cuda", 0))
+    monkeypatch.setattr(backend_mod, "capability", lambda device: (8, 6))
+    assert backend_mod.triton_problem(torch.device("cuda", 0)) is None
+    assert "8.9" in backend_mod.triton_problem(torch.device("cuda", 0), needs_fp8=True)

@@ -1,0 +1,101 @@
+"""The W8A8 Triton GEMMs (INT8 and FP8, plain / TMA / persistent variants) on the CPU interpreter.
+
+INT8 accumulates exactly in int32: with unit scales and fp32 output the kernel must equal the int32
+reference bit for bit, on ragged shapes, with every output element written (the output buffer is
+poisoned with NaN first). The scale / shift / bias epilogue and FP8 are checked against the
+reference within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from kernels_helpers import needs_triton_interpreter, randint8, randn
+
+import pytest
+import torch
+
+from lowbit.kernels.gemm_config import GemmConfig, config_named, w4_candidates, w8a8_candidates
+from lowbit.kernels.reference import FP8, int8_accumulate_reference, scaled_mm_reference
+
+pytestmark = needs_triton_interpreter()
+
+CONFIGS = [
+    GemmConfig(32, 64, 64, 4, 4, 2),
+    GemmConfig(16, 32, 32, 2, 4, 2),
+    GemmConfig(32, 32, 64, 4, 4, 2, tma=True),
+    GemmConfig(32, 32, 64, 4, 4, 2, tma=True, persistent=True),
+]
+
+
+def _mm(*args, **kwargs):
+    from lowbit.kernels.triton_w8a8_gemm import w8a8_mm_triton
+
+    return w8a8_mm_triton(*args, **kwargs)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("m,n,k", [(37, 72, 320), (64, 64, 128), (1, 40, 96), (70, 33, 48)])
+def test_int8_accumulators_are_exact(config, m, n, k):
+    if config.tma and k % 16:
+        pytest.skip("TMA descriptors need 16-byte rows")
+    a, b = randint8(m, k, seed=m + k), randint8(n, k, seed=n + k + 1)
+    poison = torch.full((m, n), float("nan"))
+    out = _mm(a, b, torch.ones(m, 1), torch.ones(n), None, None, None, torch.float32, config, out=poison)
+    assert torch.equal(out, int8_accumulate_reference(a, b).float())
+
+
+def test_extreme_int8_values_accumulate_exactly():
+    k = 512  # 512 * 127 * 128 < 2^24: the fp32 output holds the int32 sum exactly
+    a = torch.full((16, k), -128, dtype=torch.int8)
+    b = torch.full((32, k), 127, dtype=torch.int8)
+    out = _mm(a, b, torch.ones(16, 1), torch.ones(32), None, None, None, torch.float32, CONFIGS[0])
+    assert (out == -128 * 127 * k).all()
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_epilogue_scales_shift_bias(per_channel):
+    m, n, k = 29, 48, 192
+    a, b = randint8(m, k, seed=1), randint8(n, k, seed=2)
+    a_scale = torch.rand(m, 1, generator=torch.Generator().manual_seed(3)) * 1e-2
+    b_scale = torch.rand(n if per_channel else 1, generator=torch.Generator().manual_seed(4)) * 1e-2
+    bias, row_shift, col_shift = randn(n, seed=5), randn(m, seed=6), randn(n, seed=7)
+    out = _mm(a, b, a_scale, b_scale, bias, row_shift, col_shift, torch.float32, CONFIGS[0])
+    ref = scaled_mm_reference(a, b, a_scale, b_scale, bias, row_shift, col_shift, torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=lambda c: c.name)
+def test_fp8_gemm(config):
+    m, n, k = 33, 64, 256
+    a = randn(m, k, seed=8, scale=40).clamp(-448, 448).to(FP8)
+    b = randn(n, k, seed=9, scale=40).clamp(-448, 448).to(FP8)
+    a_scale, b_scale = torch.rand(m, 1) + 0.5, torch.rand(n) + 0.5
+    bias = randn(n, seed=10, dtype=torch.bfloat16)
+    ref = scaled_mm_reference(a, b, a_scale, b_scale, bias, None, None, torch.float32)
+    out = _mm(a, b, a_scale, b_scale, bias, None, None, torch.float32, config)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-3)
+
+
+def test_bf16_output():
+    a, b = randint8(20, 64, seed=1), randint8(24, 64, seed=2)
+    out = _mm(a, b, torch.full((20, 1), 1e-3), torch.full((24,), 1e-2), None, None, None, torch.bfloat16, CONFIGS[1])
+    ref = scaled_mm_reference(a, b, torch.full((20, 1), 1e-3), torch.full((24,), 1e-2), out_dtype=torch.float32)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-6)
+
+
+def test_config_names_round_trip_and_reject_garbage():
+    for config in CONFIGS + [GemmConfig(64, 128, 128, 8, 4, 4, swap_ab=True)]:
+        assert GemmConfig.from_name(config.name) == config
+        assert config_named(config.name) is config_named(config.name)
+    with pytest.raises(ValueError, match="config name"):
+        GemmConfig.from_name("fast")
+    with pytest.raises(ValueError, match="power of two"):
+        GemmConfig(48, 64, 64)
+
+
+def test_candidates_fit_the_gpu():
+    hopper = w8a8_candidates((9, 0), 4096)
+    ada = w8a8_candidates((8, 9), 4096)
+    assert any(c.tma for c in hopper) and not any(c.tma for c in ada)
+    assert all(c.fits((8, 9)) for c in ada) and all(c.fits((8, 9), 1.0, 0.5) for c in w4_candidates((8, 9), 4096))
+    assert max(c.block_m for c in w8a8_candidates((9, 0), 256)) <= 128

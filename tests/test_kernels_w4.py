@@ -1,0 +1,126 @@
+"""4-bit weight storage × INT8 activations: the decodes match comfy-kitchen's, the in-register
+GEMM is exact against the int32 reference, and the linears agree with comfy-kitchen's."""
+
+from __future__ import annotations
+
+from kernels_helpers import needs_triton_interpreter, randint8, randn, sqnr_db, triton_interpreter_available
+
+import pytest
+import torch
+from comfy_kitchen.backends.eager import w4a8_int8 as ck_w4a8
+from comfy_kitchen.backends.eager.svdquant import _unpack_int4_row_major
+
+from lowbit.kernels.backend import Backend, force_backend
+from lowbit.kernels.gemm_config import GemmConfig
+from lowbit.kernels.ops import decode_w4_reference, permute_columns, w4a8_mm
+from lowbit.kernels.reference import (FP8, decode_w4a8_levels, int8_accumulate_reference, unpack_int4_signed,
+                                      w4a8_level_table)
+from lowbit.kernels.w4_linear import level_table, w4a4_linear, w4a8_linear
+
+CODEBOOK = torch.tensor(ck_w4a8._FIXED_LUT)
+
+
+def _packed(n, k, seed):
+    return randint8(n, k // 2, seed=seed, low=-128, high=128)
+
+
+def test_signed_nibbles_decode_like_kitchen():
+    packed = _packed(8, 64, seed=1)
+    assert torch.equal(unpack_int4_signed(packed), _unpack_int4_row_major(packed))
+
+
+@pytest.mark.parametrize("codebook", [CODEBOOK, None], ids=["codebook", "uniform"])
+@pytest.mark.parametrize("group", [16, 32])
+def test_level_table_decode_is_kitchens(codebook, group):
+    n, k = 12, 128
+    packed = _packed(n, k, seed=2)
+    s_rel = (torch.rand(n, k // group, generator=torch.Generator().manual_seed(3)) * 90 + 1).to(FP8)
+    expected = ck_w4a8._dequant_int4_grouped_to_int8(packed, s_rel, codebook, group)
+    assert torch.equal(decode_w4a8_levels(packed, s_rel, codebook, group), expected)
+    assert torch.equal(decode_w4_reference(packed, s_rel, w4a8_level_table(codebook), group), expected)
+
+
+def test_level_table_is_cached_per_codebook_tensor():
+    a, b = CODEBOOK.clone(), CODEBOOK.clone() * 0.5
+    assert level_table(a, a.device) is level_table(a, a.device)
+    assert not torch.equal(level_table(a, a.device), level_table(b, b.device))
+
+
+@needs_triton_interpreter()
+@pytest.mark.parametrize("config", [GemmConfig(32, 32, 64, 4, 4, 2), GemmConfig(16, 64, 128, 4, 4, 2),
+                                    GemmConfig(32, 32, 64, 4, 4, 2, swap_ab=True)], ids=lambda c: c.name)
+@pytest.mark.parametrize("codebook", [False, True])
+def test_w4_gemm_is_exact(config, codebook):
+    from lowbit.kernels.triton_w4_gemm import w4a8_mm_triton
+
+    m, n, k = 37, 40, 256
+    a, packed = randint8(m, k, seed=4), _packed(n, k, seed=5)
+    s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(6)) * 60 + 4).to(FP8)
+    table = w4a8_level_table(CODEBOOK)
+    args = (s_rel, table) if codebook else (None, None)
+    weight = decode_w4_reference(packed, *args, 16)
+    poison = torch.full((m, n), float("nan"))
+    out = w4a8_mm_triton(permute_columns(a, config.block_k), packed, torch.ones(m, 1), torch.ones(n), None, *args,
+                         16, torch.float32, config, out=poison)
+    assert torch.equal(out, int8_accumulate_reference(a, weight).float())
+
+
+def test_w4_op_checks_the_activation_order():
+    a, packed = randint8(4, 128, seed=1), _packed(8, 128, seed=2)
+    ones = (torch.ones(4, 1), torch.ones(8))
+    eager = w4a8_mm(permute_columns(a, 64), packed, *ones, None, None, None, 16, 64, torch.float32, "eager")
+    assert torch.equal(eager, int8_accumulate_reference(a, unpack_int4_signed(packed)).float())
+    with pytest.raises(ValueError, match="permuted in blocks of 64"):
+        w4a8_mm(a, packed, *ones, None, None, None, 16, 128, torch.float32, "32x32x64-g4-w4-s2")
+
+
+def _w4a4_weight(n, k, seed):
+    import comfy_kitchen as ck
+
+    return ck.quantize_convrot_w4a4_weight(randn(n, k, seed=seed) / k**0.5, 256, 64)
+
+
+@pytest.mark.parametrize("backend", [Backend.EAGER, Backend.TRITON])
+def test_w4a4_linear_matches_kitchen(backend):
+    import comfy_kitchen as ck
+
+    if backend is Backend.TRITON and not triton_interpreter_available():
+        pytest.skip("no Triton interpreter")
+    weight = randn(48, 512, seed=7) / 512**0.5
+    qweight, wscales = ck.quantize_convrot_w4a4_weight(weight, 256, 64)
+    x = randn(2, 5, 512, seed=8, dtype=torch.bfloat16)
+    reference = x.float() @ weight.t()
+    kitchen = ck.convrot_w4a4_linear(x, qweight, wscales).float()
+    with force_backend(backend):
+        ours = w4a4_linear(x, qweight, wscales, act_bits=4).float()
+    assert ours.shape == (2, 5, 48)
+    # the same 4-bit activation codes up to rounding (kitchen divides in bf16, we multiply in fp32):
+    # equally accurate, and close to each other
+    assert abs(sqnr_db(ours, reference) - sqnr_db(kitchen, reference)) < 0.5
+    assert sqnr_db(ours, kitchen) > 25
+
+
+def test_w4a4_with_int8_activations_is_more_accurate():
+    qweight, wscales = _w4a4_weight(64, 512, seed=9)
+    x = randn(16, 512, seed=10, dtype=torch.bfloat16)
+    with force_backend(Backend.DEQUANT):
+        exact = w4a4_linear(x, qweight, wscales).float()  # the stored weight, float activations
+    with force_backend(Backend.EAGER):
+        a4 = w4a4_linear(x, qweight, wscales, act_bits=4).float()
+        a8 = w4a4_linear(x, qweight, wscales, act_bits=8).float()
+    assert sqnr_db(a8, exact) > sqnr_db(a4, exact) + 15
+
+
+@pytest.mark.parametrize("backend", [Backend.EAGER, Backend.TRITON, Backend.KITCHEN, Backend.DEQUANT])
+def test_w4a8_linear_matches_kitchen(backend):
+    import comfy_kitchen as ck
+
+    if backend is Backend.TRITON and not triton_interpreter_available():
+        pytest.skip("no Triton interpreter")
+    weight = randn(32, 512, seed=11) / 512**0.5
+    qdata, s_rel, s_channel, correction, codebook = ck.quantize_w4a8_int8_weight(weight)
+    x = randn(6, 512, seed=12, dtype=torch.bfloat16)
+    kitchen = ck.w4a8_int8_linear(x, qdata, s_rel, s_channel, codebook, correction, out_dtype=torch.float32)
+    with force_backend(backend):
+        ours = w4a8_linear(x, qdata, s_rel, s_channel, codebook, correction, out_dtype=torch.float32)
+    assert sqnr_db(ours, kitchen) > (30 if backend is not Backend.DEQUANT else 20)
