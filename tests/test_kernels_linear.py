@@ -137,3 +137,17 @@ def test_bench_command_line(capsys):
                  "--no-kitchen", "--rep-ms", "1"]) == 0
     out = capsys.readouterr().out
     assert "geomean vs bf16" in out and "int8" in out
+
+
+def test_docs_examples_run():
+    """Every ```python block of docs/kernels.md runs, in order, in one namespace (CPU)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/kernels.md", "exec"), namespace)  # noqa: S102 - our own documentation
+    assert tuple(namespace["y"].shape) == (4, 64)
