@@ -241,7 +241,7 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
         stored = module._parameters["weight"]
         home = stored.device
         if isinstance(stored, QuantizedTensor):
-            weight = stored.to(device=device).dequantize().float()
+            weight = stored.to(device=device, dtype=torch.float32).dequantize()  # dequantized in fp32
         else:
             weight = stored.to(device=device, dtype=torch.float32, copy=True)
         key = f"{DIFFUSION_PREFIX}{decision.name}.weight"
