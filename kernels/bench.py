@@ -7,8 +7,9 @@ comfy-kitchen's own linear for the same format beside it. Times are medians of
 ``triton.testing.do_bench`` (CUDA events, L2 flushed before every call). The last lines give the
 geometric means the issue's targets are stated in.
 
-``--verify`` first checks every Triton kernel against its eager reference on the GPU (odd shapes,
-poisoned outputs) and stops with exit code 1 if one disagrees.
+``--verify``, ``--overhead``, ``--sweep`` and ``--prewarm`` run the GPU checks, launch-cost and
+tuning measurements of ``kernels/gpu_checks.py`` first; a failed check is reported (exit code 1)
+but the benchmark still runs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .backend import Backend, capability, force_backend, triton_status
 from .dispatch import DispatchKey, Dispatcher, m_bucket, use_dispatcher
 from .fp8_gemm import fp8_rowwise_linear
 from .int8_gemm import int8_linear
-from .reference import FP8, w4a8_level_table
+from .reference import FP8
 from .w4_linear import w4a4_linear, w4a8_linear
 
 log = logging.getLogger(__name__)
@@ -227,273 +228,6 @@ def summary(rows: list[dict], formats: list[str]) -> list[str]:
     return lines
 
 
-# ---- parallel pre-compilation ------------------------------------------------------------------
-
-def _warm_job(job: tuple[str, int, int, str]) -> str:
-    """Compile every candidate of one (format, M bucket, K) in this worker process (fills Triton's
-    on-disk cache, so the timed process only loads kernels)."""
-    fmt, m, k, device_name = job
-    device = torch.device(device_name)
-    problem = Problem(256, k, device)
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    start = time.perf_counter()
-    try:
-        with use_dispatcher(Dispatcher(warmup=1, repeats=1)):
-            problem.ours(fmt)(x)
-    except Exception as err:
-        return f"warm {fmt} m={m} k={k} failed: {type(err).__name__}: {err}"[:300]
-    return f"warm {fmt} m={m} k={k} {time.perf_counter() - start:.1f}s"
-
-
-def prewarm(formats: list[str], shapes: list[tuple[int, int]], device: torch.device, workers: int) -> None:
-    """Compile the kernels the benchmark will use in ``workers`` processes at once."""
-    import concurrent.futures
-    import multiprocessing
-
-    jobs = [(fmt, m, k, str(device)) for k in sorted({k for _, k in shapes}) for m in (256, 4096) for fmt in formats]
-    start = time.perf_counter()
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for line in pool.map(_warm_job, jobs):
-            print(line, flush=True)
-    print(f"pre-compiled {len(jobs)} jobs in {time.perf_counter() - start:.0f}s", flush=True)
-
-
-# ---- CPU launch overhead ------------------------------------------------------------------------
-
-def launch_overhead(device: torch.device, n: int = 3072, k: int = 3072, m: int = 256, calls: int = 300) -> list[str]:
-    """CPU time to enqueue one call (µs, no synchronization inside the loop) of bf16 ``F.linear``, of
-    each format's linear and of its pieces, plus a profile of the INT8 linear's Python."""
-    import cProfile
-    import io
-    import pstats
-
-    from . import ops
-    from .gemm_config import default_config
-
-    problem = Problem(n, k, device)
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    dispatcher = Dispatcher()
-    q, scale, _ = ops.act_quant(x, torch.int8, 127.0, "none", 0, None, False, 0, "triton")
-    cfg = default_config(m).name
-    pieces = {
-        "bf16 F.linear": lambda: torch.nn.functional.linear(x, problem.w_bf16, problem.bias),
-        "act_quant launch": lambda: ops.act_quant(x, torch.int8, 127.0, "none", 0, None, False, 0, "triton"),
-        "w8a8 gemm launch": lambda: ops.w8a8_mm(q, problem.w_int8, scale, problem.w_scale.reshape(-1), problem.bias,
-                                                None, None, torch.bfloat16, cfg),
-        "torch.empty x3": lambda: (torch.empty(m, k, device=device), torch.empty(m, 1, device=device),
-                                   torch.empty(m, n, device=device)),
-    }
-    for fmt in FORMATS:
-        pieces[f"{fmt} linear"] = (lambda fn: lambda: fn(x))(problem.ours(fmt))
-    kitchen = problem.kitchen("int8")
-    pieces["kitchen int8_linear"] = lambda: kitchen(x)
-    lines = []
-    with use_dispatcher(dispatcher):
-        for name, fn in pieces.items():
-            try:
-                for _ in range(5):
-                    fn()
-                torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                cpu = (time.perf_counter() - start) / calls * 1e6
-                torch.cuda.synchronize(device)
-                lines.append(f"overhead {name:<24} {cpu:7.1f} us CPU per call")
-            except Exception as err:
-                lines.append(f"overhead {name} FAILED {type(err).__name__}: {err}"[:200])
-            print(lines[-1], flush=True)
-        profiler = cProfile.Profile()
-        fn = problem.ours("int8")
-        profiler.enable()
-        for _ in range(calls):
-            fn(x)
-        profiler.disable()
-    torch.cuda.synchronize(device)
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
-    for line in text.getvalue().splitlines():
-        if line.strip():
-            lines.append("profile " + line[:160])
-            print(lines[-1], flush=True)
-    return lines
-
-
-# ---- component sweep (tuning data) ------------------------------------------------------------
-
-def sweep(device: torch.device, shapes: list[tuple[int, int]], m: int, rep_ms: int) -> list[str]:
-    """Time the pieces separately at one M: act-quant variants (vs plain torch), every GEMM config
-    alone, and cuBLAS ``_int_mm`` / ``_scaled_mm`` alone, each against bf16. Returns report lines."""
-    from .gemm_config import w4_candidates, w8a8_candidates
-    from .reference import act_quant_reference
-    from .triton_act_quant import act_quant_triton
-    from .triton_w4_gemm import w4a8_mm_triton
-    from .triton_w8a8_gemm import w8a8_mm_triton
-
-    timer = _timer(device, rep_ms)
-    cap = capability(device)
-    lines = []
-
-    def out(line):
-        print(line, flush=True)
-        lines.append(line)
-
-    for k in sorted({k for _, k in shapes}):
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        gbytes = m * k * 3 / 1e9
-        t = timer(lambda: act_quant_reference(x, torch.int8, None, "none", 0, None, False))
-        out(f"act_quant m={m} k={k} torch-reference {t:.1f}us")
-        for rotation, group in (("none", 0), ("regular", 256), ("sylvester", 128)):
-            for tile, warps in ((None, None), (4096, 4), (16384, 8)):
-                for perm in (0, 128) if rotation == "regular" and tile is None else (0,):
-                    try:
-                        t = timer(lambda: act_quant_triton(x, torch.int8, 127.0, rotation, group, None, False, perm,
-                                                           tile_elements=tile, num_warps=warps))
-                        out(f"act_quant m={m} k={k} {rotation}{group or ''} tile={tile or 'auto'} warps={warps or 'auto'} perm={perm} "
-                            f"{t:.1f}us {gbytes / t * 1e6:.0f}GB/s")
-                    except Exception as err:
-                        out(f"act_quant m={m} k={k} {rotation} tile={tile} FAILED {type(err).__name__}: {err}"[:300])
-    for n, k in shapes:
-        p = Problem(n, k, device)
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        bf16 = timer(lambda: torch.nn.functional.linear(x, p.w_bf16, p.bias))
-        q, s, _ = act_quant_reference(x, torch.int8, None, "none", 0, None, False)
-        qf, sf, _ = act_quant_reference(x, FP8, None, "none", 0, None, False)
-        ws = p.w_scale.reshape(-1)
-        res = {"bf16": bf16}
-        for name, fn in (("_int_mm", lambda: torch._int_mm(q, p.w_int8.t())),
-                         ("_scaled_mm", lambda: torch._scaled_mm(qf, p.w_fp8.t(), scale_a=sf, scale_b=ws.reshape(1, -1),
-                                                                 bias=p.bias, out_dtype=torch.bfloat16))):
-            try:
-                res[name] = timer(fn)
-            except Exception as err:
-                out(f"gemm {name} FAILED {type(err).__name__}: {err}"[:300])
-        for cfg in w8a8_candidates(cap, m):
-            for label, a, b, sa in (("int8", q, p.w_int8, s), ("fp8", qf, p.w_fp8, sf)):
-                try:
-                    res[f"{label} {cfg.name}"] = timer(lambda: w8a8_mm_triton(a, b, sa, ws, p.bias, None, None,
-                                                                              torch.bfloat16, cfg))
-                except Exception as err:
-                    out(f"gemm {label} {cfg.name} FAILED {type(err).__name__}: {err}"[:300])
-        table = level_table_for(p)
-        for cfg in w4_candidates(cap, m):
-            for label, s_rel in (("w4", None), ("w4cb", p.s_rel)):
-                try:
-                    res[f"{label} {cfg.name}"] = timer(lambda: w4a8_mm_triton(  # codes' order does not matter for time
-                        q, p.packed, s, p.w4_scale, p.bias, s_rel, table if s_rel is not None else None, 16,
-                        torch.bfloat16, cfg))
-                except Exception as err:
-                    out(f"gemm {label} {cfg.name} FAILED {type(err).__name__}: {err}"[:300])
-        flops = 2 * m * n * k
-        for name, t in sorted(res.items(), key=lambda kv: kv[1]):
-            out(f"gemm m={m} n={n} k={k} {name:<34} {t:8.1f}us {flops / t / 1e6:7.0f} TOPS {bf16 / t:5.2f}x bf16")
-    return lines
-
-
-def level_table_for(problem: "Problem") -> torch.Tensor:
-    return w4a8_level_table(problem.codebook, problem.device)
-
-
-# ---- verification -------------------------------------------------------------------------------
-
-def verify(device: torch.device) -> list[str]:
-    """Every Triton kernel against its eager reference on ``device``; returns the failures."""
-    from . import ops
-    from .gemm_config import w4_candidates, w8a8_candidates
-    from .reference import act_quant_reference, int8_accumulate_reference
-    from .triton_act_quant import act_quant_triton
-    from .triton_w4_gemm import w4a8_mm_triton
-    from .triton_w8a8_gemm import w8a8_mm_triton
-
-    failures = []
-    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
-    torch.manual_seed(1)
-
-    def check(name, ok, detail=""):
-        print(f"verify {'ok  ' if ok else 'FAIL'} {name} {detail}", flush=True)
-        if not ok:
-            failures.append(f"{name} {detail}")
-
-    for m, k, rotation, group, fp8, smooth, center, *perm in [
-        (300, 3072, "none", 0, False, False, False), (300, 3072, "none", 0, True, False, False),
-        (257, 3072, "regular", 256, False, False, False), (64, 12288, "regular", 256, True, False, False),
-        (129, 3072, "sylvester", 128, False, True, True), (33, 5120, "sylvester", 128, False, False, False),
-        (8, 13824, "regular", 256, False, False, False), (17, 1000, "none", 0, False, False, True),
-        (100, 3072, "regular", 256, False, False, False, 128)]:
-        x = (torch.randn(m, k, device=device) * 3).to(torch.bfloat16)
-        x[0, 5] = 80.0  # an outlier channel
-        sm = torch.rand(k, device=device) + 0.5 if smooth else None
-        dt = FP8 if fp8 else torch.int8
-        poison = torch.full((m, k), 77 if not fp8 else 0, device=device, dtype=torch.int8)
-        if fp8:
-            poison = torch.full((m, k), float("nan"), device=device).to(FP8)
-        perm_block = perm[0] if perm else 0
-        q, s, mu = act_quant_triton(x, dt, 448.0 if fp8 else 127.0, rotation, group, sm, center, perm_block, out=poison)
-        qr, sr, mr = act_quant_reference(x, dt, None, rotation, group, sm, center)
-        qr = ops.permute_columns(qr, perm_block)
-        diff = (q.float() - qr.float()).abs()
-        frac = (diff > 0).float().mean().item()
-        # without rotation or centring the codes are exact; the fused rotation is accurate to ~2^-12 of the
-        # row maximum (fp16 operands), so a few codes sit one step away from the fp32 reference
-        exact = rotation == "none" and not center
-        near = (diff <= qr.float().abs() * 0.125 + 2**-9).all().item() if fp8 else diff.max().item() <= 1
-        ok = bool(torch.isfinite(q.float()).all()) and (frac == 0 if exact else frac < 0.03 and near)
-        scale_ok = torch.allclose(s, sr, rtol=1e-6 if exact else 2**-10)
-        check(f"act_quant m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'} smooth={smooth} center={center} "
-              f"perm={perm_block}", ok and scale_ok, f"codes differing {frac:.2e}, max {diff.max().item():.3g}, "
-              f"scale rel {((s - sr).abs() / sr).max().item():.1e}, near {near}")
-
-    def close_bf16(out, ref):  # same fp32 math, rounded once to bf16 (an FMA may move the last bit)
-        diff = (out.float() - ref.float()).abs()
-        return torch.isfinite(out.float()).all().item() and (diff <= ref.float().abs() * 2**-7 + 1e-6).all().item()
-
-    # exact int32 accumulators (fp32 out, unit scales): one small and one large config, plus a ragged K
-    for m, n, k, cfg in [(300, 384, 3072, w8a8_candidates(cap, 300)[0]), (4096, 3072, 3072, w8a8_candidates(cap, 4096)[0]),
-                         (77, 200, 1000, w8a8_candidates(cap, 77)[0])]:
-        a = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
-        b = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
-        poison = torch.full((m, n), float("nan"), device=device)
-        out = w8a8_mm_triton(a, b, torch.ones(m, 1, device=device), torch.ones(n, device=device), None, None, None,
-                             torch.float32, cfg, out=poison)
-        # int32 accumulators are exact; both sides round them to fp32 once, so the results are equal
-        check(f"int8 gemm exact m={m} n={n} k={k} {cfg.name}",
-              torch.isfinite(out).all().item() and torch.equal(out, int8_accumulate_reference(a, b).float()))
-    # every benchmark config (bf16 out, bias: the variants the benchmark compiles) against the reference
-    for m, n, k in [(1000, 3072, 3072), (4096, 3072, 3072)]:
-        a = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
-        b = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
-        sa, sb = torch.rand(m, 1, device=device) * 1e-3, torch.rand(n, device=device) * 1e-3
-        bias = torch.randn(n, device=device, dtype=torch.bfloat16)
-        ref = ops.w8a8_mm(a, b, sa, sb, bias, None, None, torch.bfloat16, "eager")
-        af = (torch.randn(m, k, device=device) * 30).to(FP8)
-        bf = (torch.randn(n, k, device=device) * 30).to(FP8)
-        ref_f = ops.w8a8_mm(af, bf, sa, sb, bias, None, None, torch.bfloat16, "eager") if cap >= (8, 9) else None
-        for cfg in w8a8_candidates(cap, m):
-            out = w8a8_mm_triton(a, b, sa, sb, bias, None, None, torch.bfloat16, cfg)
-            check(f"int8 gemm m={m} n={n} k={k} {cfg.name}", close_bf16(out, ref))
-            if ref_f is not None:
-                out = w8a8_mm_triton(af, bf, sa, sb, bias, None, None, torch.bfloat16, cfg)
-                rel = ((out.float() - ref_f.float()).norm() / ref_f.float().norm()).item()
-                check(f"fp8 gemm m={m} n={n} k={k} {cfg.name}", rel < 1e-2, f"rel err {rel:.1e}")
-
-    for m, n, k in [(300, 384, 3072), (4096, 3072, 3072)]:
-        a = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
-        packed = torch.randint(-128, 128, (n, k // 2), device=device, dtype=torch.int8)
-        s_rel = (torch.rand(n, k // 16, device=device) * 60 + 4).to(FP8)
-        table = w4a8_level_table(torch.tensor(FP8_CODEBOOK), device)
-        sa, sw = torch.rand(m, 1, device=device) * 1e-3, torch.rand(n, device=device) * 1e-2
-        bias = torch.randn(n, device=device, dtype=torch.bfloat16)
-        for codebook in (False, True):
-            args = (s_rel, table) if codebook else (None, None)
-            ref = ops.w4a8_mm(a, packed, sa, sw, bias, *args, 16, 0, torch.bfloat16, "eager")
-            for cfg in w4_candidates(cap, m):
-                poison = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
-                a_perm = ops.permute_columns(a, cfg.block_k)
-                out = w4a8_mm_triton(a_perm, packed, sa, sw, bias, *args, 16, torch.bfloat16, cfg, out=poison)
-                check(f"w4 gemm codebook={codebook} m={m} n={n} k={k} {cfg.name}", close_bf16(out, ref))
-    return failures
-
-
 # ---- command line ------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
@@ -534,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         print(f"device {torch.cuda.get_device_name(device)} sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}, "
               f"torch {torch.__version__}, {triton_status().reason}", flush=True)
+    from .gpu_checks import launch_overhead, prewarm, sweep, verify
+
     failures = []
     if args.prewarm:
         prewarm(formats, shapes, device, args.prewarm)

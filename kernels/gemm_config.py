@@ -26,7 +26,7 @@ class GemmConfig:
     num_stages: int = 3
     swap_ab: bool = False  # W4 kernel only: decoded weight as the left operand (output tile transposed)
     tma: bool = False  # W8A8 kernel only, sm_90: operand tiles through TMA tensor descriptors
-    warp_specialize: bool = False  # with tma: Triton's producer/consumer warp specialization
+    warp_specialize: bool = False  # with tma: Triton's warp specialization (no effect seen on sm_90, Triton 3.6/3.8)
     persistent: bool = False  # with tma: one program per SM looping over output tiles
 
     def __post_init__(self):

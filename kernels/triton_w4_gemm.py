@@ -34,11 +34,6 @@ from .backend import interpreting
 from .gemm_config import GemmConfig
 from .triton_w8a8_gemm import _epilogue, _tile_ids
 
-# Signed nibble n of each byte -> int8, four bytes at a time: t = n ^ 8 is in [0, 15];
-# (t + 0x78) ^ 0x80 is t - 8 as a byte, and t + 0x78 <= 0x87 never carries into the next byte.
-_SIGNED_NIBBLES_PTX = "low = ((w & 0x0F0F0F0F) ^ 0x08080808) + 0x78787878) ^ 0x80808080; high: the same on w >> 4"
-
-
 @triton.jit
 def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
                CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr,
@@ -55,7 +50,9 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
         low = tl.load(table_ptr + base + (byte & 0xF))
         high = tl.load(table_ptr + base + (byte >> 4))
     elif USE_PTX:
-        # 4 bytes a 32-bit register (pack=4); see _SIGNED_NIBBLES_PTX for the arithmetic
+        # 4 bytes a 32-bit register (pack=4). Per byte, low nibble n: t = n ^ 8 is in [0, 15], and
+        # (t + 0x78) ^ 0x80 is t - 8 as a signed byte; t + 0x78 <= 0x87 never carries into the next
+        # byte. The high nibble: the same on w >> 4.
         low, high = tl.inline_asm_elementwise(
             "{ .reg .b32 t; and.b32 t, $2, 0x0F0F0F0F; xor.b32 t, t, 0x08080808; add.u32 t, t, 0x78787878; "
             "xor.b32 $0, t, 0x80808080; shr.u32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F; xor.b32 t, t, 0x08080808; "
