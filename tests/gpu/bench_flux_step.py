@@ -177,6 +177,8 @@ def run(argv=None) -> dict:
         report["modes"][mode] = row
         log.info("%s: %s", mode, row)
         free(device)
+        if a.out:  # partial results survive a run cut short
+            Path(a.out).write_text(json.dumps(report, indent=2))
     if a.offload_cap_gb > 0 and device.type == "cuda":
         report["offload"] = offload_compare(base, a, args, device)
     if a.out:
