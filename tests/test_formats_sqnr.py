@@ -92,6 +92,13 @@ def test_fp8_rowwise_not_worse_than_tensorwise_on_outliers(problem, measured):
     assert rowwise >= sqnr_db(measured.output("fp8"), problem.reference)
 
 
+def _fp8(tensor: torch.Tensor, scale=None):
+    from comfy_kitchen.tensor import TensorCoreFP8Layout
+
+    qdata, params = TensorCoreFP8Layout.quantize(tensor, scale=scale)
+    return qdata, "TensorCoreFP8Layout", params
+
+
 def _kitchen_direct(name: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` through comfy-kitchen's own layouts, no LowBit code involved."""
     if name == "int8":
@@ -100,9 +107,11 @@ def _kitchen_direct(name: str, weight: torch.Tensor, x: torch.Tensor) -> torch.T
         qweight = QuantizedTensor.from_float(weight, "TensorWiseINT8Layout", per_channel=True, convrot=True)
         return F.linear(x, qweight)
     if name == "fp8":
-        qweight = QuantizedTensor.from_float(weight, "TensorCoreFP8Layout")
+        # kitchen's class itself: once ComfyUI is imported, the registry name "TensorCoreFP8Layout"
+        # resolves to ComfyUI's subclass, whose quantize() defaults to a unit scale.
+        qweight = QuantizedTensor(*_fp8(weight))
         scale = x.abs().amax().float() / torch.finfo(torch.float8_e4m3fn).max
-        return F.linear(QuantizedTensor.from_float(x, "TensorCoreFP8Layout", scale=scale), qweight)
+        return F.linear(QuantizedTensor(*_fp8(x, scale)), qweight)
     if name == "w4a4":
         return F.linear(x, QuantizedTensor.from_float(weight, "TensorCoreConvRotW4A4Layout"))
     if name == "w4a8":
@@ -131,8 +140,8 @@ def test_fp8_matches_kitchen_choosing_its_own_activation_scale(problem, measured
     the fourth digit, which moves every activation on the e4m3 grid: the figure is the same up to that
     noise (measured 0.015 dB), not bit for bit."""
     x = problem.x.bfloat16()
-    qweight = QuantizedTensor.from_float(problem.weight, "TensorCoreFP8Layout")
-    theirs = F.linear(QuantizedTensor.from_float(x, "TensorCoreFP8Layout"), qweight)
+    qweight = QuantizedTensor(*_fp8(problem.weight))
+    theirs = F.linear(QuantizedTensor(*_fp8(x)), qweight)
     ours = measured.output("fp8")
     assert abs(sqnr_db(ours, problem.reference) - sqnr_db(theirs, problem.reference)) <= 0.05
 

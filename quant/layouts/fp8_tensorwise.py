@@ -49,7 +49,9 @@ class Fp8TensorwiseCodec(FormatCodec):
     def linear(self, x, weight, bias=None, input_scale=None):
         x2d = x.reshape(-1, x.shape[-1])
         scale = input_scale if input_scale is not None else x2d.abs().amax().float().clamp(min=1e-12) / torch.finfo(FP8).max
-        qx = QuantizedTensor.from_float(x2d, LAYOUT, scale=scale.to(device=x.device, dtype=torch.float32))
+        # kitchen's class itself, not the registry name: ComfyUI re-registers that name with a subclass
+        qdata, params = TensorCoreFP8Layout.quantize(x2d, scale=scale.to(device=x.device, dtype=torch.float32), dtype=FP8)
+        qx = QuantizedTensor(qdata, LAYOUT, params)
         if bias is not None and x.dtype == torch.float32:
             # torch._scaled_mm takes no bias with an fp32 output (a ValueError kitchen does not catch)
             out = torch.nn.functional.linear(qx, weight) + bias.to(torch.float32)
