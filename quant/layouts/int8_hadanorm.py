@@ -87,14 +87,10 @@ class HadaNormINT8Layout(QuantizedLayout):
 
 def hadanorm_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
     p = weight._params
-    smoothed = x.float() * p.smooth
-    mean = smoothed.mean(dim=-1, keepdim=True)
-    centred = rotate_blocks(smoothed - mean, HADAMARD, p.group_size)
-    out = int8_linear(centred, weight._qdata, p.scale, None, out_dtype=torch.float32)
-    out = out + mean * p.rowsum
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    # smoothing, centring (mean * rowsum added back in the epilogue) and rotation are fused into the
+    # activation-quantization kernel
+    return int8_linear(x, weight._qdata, p.scale, bias, out_dtype=x.dtype, rotation=HADAMARD,
+                       group_size=p.group_size, smooth=p.smooth, center_rowsum=p.rowsum)
 
 
 register_layout_class(LAYOUT, HadaNormINT8Layout)

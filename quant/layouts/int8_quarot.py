@@ -63,8 +63,9 @@ class QuaRotINT8Layout(QuantizedLayout):
 
 def quarot_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
     params = weight._params
-    x_rot = rotate_blocks(x, HADAMARD, params.group_size)
-    return int8_linear(x_rot, weight._qdata, params.scale, bias, out_dtype=x.dtype)
+    # the rotation of x is fused into the activation-quantization kernel
+    return int8_linear(x, weight._qdata, params.scale, bias, out_dtype=x.dtype, rotation=HADAMARD,
+                       group_size=params.group_size)
 
 
 register_layout_class(LAYOUT, QuaRotINT8Layout)
