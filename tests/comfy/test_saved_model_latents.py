@@ -1,0 +1,55 @@
+"""Issue "nodes" Show 1c in-process: a model quantized in memory and the file Save Quantized Model
+writes from it sample bit-identical latents through stock ComfyUI (UNETLoader, KSampler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from comfy_helpers import require_comfy, tiny_flux_bf16
+
+require_comfy()
+
+import folder_paths  # noqa: E402
+import nodes  # noqa: E402
+
+from lowbit.nodes.model_quant import native_state_dict  # noqa: E402
+from lowbit.nodes.quantize import LowBitQuantizeModel  # noqa: E402
+from lowbit.nodes.save import write_checkpoint  # noqa: E402
+
+
+@pytest.fixture
+def models_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "diffusion_models"
+    folder.mkdir()
+    exts = folder_paths.folder_names_and_paths["diffusion_models"][1]
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models", ([str(folder)], exts))
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    return folder
+
+
+def _sample(model) -> torch.Tensor:
+    latent = {"samples": torch.zeros(1, 16, 8, 8)}
+    context = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(1))
+    cond = [[context, {"pooled_output": torch.randn(1, 32, generator=torch.Generator().manual_seed(2))}]]
+    return nodes.common_ksampler(model, 42, 2, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+
+
+@pytest.mark.parametrize("mode", ["int8_convrot", "int8", "fp8_rowwise"])
+def test_saved_file_samples_the_in_memory_latents_bit_for_bit(models_dir, mode):
+    save_file(tiny_flux_bf16(), str(models_dir / "tiny_flux_bf16.safetensors"))
+    float_model = nodes.UNETLoader().load_unet("tiny_flux_bf16.safetensors", "default")[0]
+    quantized = LowBitQuantizeModel.execute(model=float_model, mode=mode).result[0]
+    in_memory = _sample(quantized)
+
+    write_checkpoint(native_state_dict(quantized), str(models_dir / "saved.safetensors"), None)
+    if mode == "fp8_rowwise":  # a LowBit-only format: stock UNETLoader cannot read it, LowBit's loader can
+        from lowbit.nodes.loader import LowBitLoadDiffusionModel
+
+        reloaded = LowBitLoadDiffusionModel.execute(unet_name="saved.safetensors", mode="native").result[0]
+    else:
+        reloaded = nodes.UNETLoader().load_unet("saved.safetensors", "default")[0]
+    from_disk = _sample(reloaded)
+    assert torch.equal(in_memory, from_disk)
+    assert not torch.equal(in_memory, _sample(float_model)), "the quantized model must differ from the float one"
