@@ -369,7 +369,9 @@ class LowBitLoraStackEntry(io.ComfyNode):
 class LowBitApplyLoraStack(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        template = io.Autogrow.TemplatePrefix(input=LoraEntryType.Input("lora"), prefix="lora", min=0, max=MAX_STACK)
+        template = io.Autogrow.TemplatePrefix(
+            input=LoraEntryType.Input("lora", tooltip="A LoRA Stack Entry (LowBit); a new slot appears as you connect one."),
+            prefix="lora", min=0, max=MAX_STACK)
         return io.Schema(
             node_id="LowBitApplyLoraStack",
             display_name="Apply LoRA Stack (LowBit)",
@@ -378,7 +380,8 @@ class LowBitApplyLoraStack(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to apply the LoRA(s) to: a LowBit quantized model, or any model in standard mode."),
                 io.Combo.Input("mode", options=list(MODES), default=DEFAULT_MODE, tooltip=MODE_TOOLTIP),
-                io.Autogrow.Input("loras", template=template, optional=True),
+                io.Autogrow.Input("loras", template=template, optional=True,
+                                  tooltip="The LoRA stack, applied in slot order; bypassed entries and strength 0 are off."),
                 io.Int.Input("merge_seed", **MERGE_SEED),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="report")],
