@@ -42,6 +42,24 @@ def node_classes() -> list[type[io.ComfyNode]]:
     return classes
 
 
+def kernel_dispatch_cache_path() -> str:
+    """Where the measured kernel choices are kept: ComfyUI's user directory (``user/lowbit/``)."""
+    import os
+
+    import folder_paths
+
+    return os.path.join(folder_paths.get_user_directory(), "lowbit", "kernel_dispatch.json")
+
+
 class LowBitExtension(ComfyExtension):
+    async def on_load(self) -> None:
+        # Kernel choices are measured once per (format, GPU, M bucket, N, K) and kept across runs.
+        try:
+            from ..kernels.dispatch import Dispatcher, install_dispatcher
+
+            install_dispatcher(Dispatcher(cache_path=kernel_dispatch_cache_path()))
+        except Exception:  # a broken cache location must not keep the nodes from loading
+            log.exception("LowBit: could not set up the kernel dispatch cache; choices will not be kept")
+
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return node_classes()
