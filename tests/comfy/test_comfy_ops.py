@@ -35,16 +35,6 @@ MIN_OUTPUT_SQNR = {"int8_quarot": 26.0, "int8_hadanorm": 31.0, "fp8_rowwise": 20
 
 
 @pytest.fixture(scope="module")
-def float_model():
-    return load_stock(tiny_flux_bf16())
-
-
-@pytest.fixture(scope="module")
-def float_output(float_model):
-    return run_flux(float_model)
-
-
-@pytest.fixture(scope="module")
 def int8_model(float_model):
     return quantize_model(float_model, Policy(mode="int8_convrot"))
 

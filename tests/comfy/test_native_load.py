@@ -59,16 +59,6 @@ def tmp_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("native"))
 
 
-@pytest.fixture(scope="module")
-def float_model():
-    return load_stock(tiny_flux_bf16())
-
-
-@pytest.fixture(scope="module")
-def float_output(float_model):
-    return run_flux(float_model)
-
-
 @functools.lru_cache(maxsize=None)
 def _loader_output(fmt: str, tmp_dir: str) -> torch.Tensor:
     path, _, _ = _native_file(fmt, tmp_dir)

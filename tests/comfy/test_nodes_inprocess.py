@@ -13,7 +13,6 @@ require_comfy()
 
 import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
-import folder_paths  # noqa: E402
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
 
 from lowbit.nodes.common import NodeInputError  # noqa: E402
@@ -30,27 +29,6 @@ MODE = "int8_convrot"
 #: LoRA targets: two layers the flux1 preset quantizes and one it keeps float (img_in)
 LORA_TARGETS = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "img_in")
 LORA_RANK = 4
-
-
-@pytest.fixture(scope="module")
-def float_model():
-    return load_stock(tiny_flux_bf16())
-
-
-@pytest.fixture(scope="module")
-def float_output(float_model):
-    return run_flux(float_model)
-
-
-@pytest.fixture
-def models_dir(tmp_path, monkeypatch):
-    """A private models/diffusion_models folder for the loader node."""
-    folder = tmp_path / "diffusion_models"
-    folder.mkdir()
-    exts = folder_paths.folder_names_and_paths["diffusion_models"][1]
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models", ([str(folder)], exts))
-    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    return folder
 
 
 def _quantize(model, **inputs):

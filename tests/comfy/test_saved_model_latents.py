@@ -11,22 +11,11 @@ from comfy_helpers import require_comfy, tiny_flux_bf16
 
 require_comfy()
 
-import folder_paths  # noqa: E402
 import nodes  # noqa: E402
 
 from lowbit.nodes.model_quant import native_state_dict  # noqa: E402
 from lowbit.nodes.quantize import LowBitQuantizeModel  # noqa: E402
 from lowbit.nodes.save import write_checkpoint  # noqa: E402
-
-
-@pytest.fixture
-def models_dir(tmp_path, monkeypatch):
-    folder = tmp_path / "diffusion_models"
-    folder.mkdir()
-    exts = folder_paths.folder_names_and_paths["diffusion_models"][1]
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models", ([str(folder)], exts))
-    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
-    return folder
 
 
 def _sample(model) -> torch.Tensor:

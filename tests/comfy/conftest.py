@@ -1,0 +1,31 @@
+"""Fixtures shared by the in-process ComfyUI tests (each test module skips itself without ComfyUI)."""
+
+from __future__ import annotations
+
+import pytest
+
+from comfy_helpers import load_stock, run_flux, tiny_flux_bf16
+
+
+@pytest.fixture(scope="module")
+def float_model():
+    """The tiny bf16 Flux, loaded by stock ComfyUI."""
+    return load_stock(tiny_flux_bf16())
+
+
+@pytest.fixture(scope="module")
+def float_output(float_model):
+    return run_flux(float_model)
+
+
+@pytest.fixture
+def models_dir(tmp_path, monkeypatch):
+    """A private models/diffusion_models folder for the loader nodes."""
+    import folder_paths
+
+    folder = tmp_path / "diffusion_models"
+    folder.mkdir()
+    exts = folder_paths.folder_names_and_paths["diffusion_models"][1]
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models", ([str(folder)], exts))
+    monkeypatch.setattr(folder_paths, "filename_list_cache", {})
+    return folder
