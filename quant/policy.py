@@ -6,14 +6,16 @@ model. Precedence, first match wins:
 
 1. not a 2-D ``*.weight``                      → kept as stored (biases, norms, embeddings...);
    in a full checkpoint, a key outside the diffusion model (VAE, text encoders) → kept as stored
-2. matches a preset ``keep_float`` pattern     → float
-3. smaller than ``min_features`` on either side → float
-4. mode ``int4_mixed``: inside the INT8 budget  → ``int8_convrot`` (see below), else ``w4a4``
+2. named in ``layer_formats``                   → that format, or float for ``"float"`` (a calibrated
+   policy, see ``quant/calibrate.py``: the most specific rule wins over 3-5)
+3. matches a preset ``keep_float`` pattern     → float
+4. smaller than ``min_features`` on either side → float
+5. mode ``int4_mixed``: inside the INT8 budget  → ``int8_convrot`` (see below), else ``w4a4``
    mode ``int4_full``: ``w4a4``; any other mode: that format
-5. the chosen format cannot take the shape     → its fallback chain (``w4a4`` → ``int8_convrot`` → ``int8``),
+6. the chosen format cannot take the shape     → its fallback chain (``w4a4`` → ``int8_convrot`` → ``int8``),
    the reason recorded as ``fallback <from> -> <to>: <why each could not> [<why <from> was chosen>]``
 
-Patterns (``keep_float``, ``int4_sensitive``) match the layer name relative to the diffusion model
+Patterns (``keep_float``, ``int4_sensitive``) and ``layer_formats`` names match the layer name relative to the diffusion model
 (``model.diffusion_model.`` style prefixes stripped, see :func:`presets.model_prefix`), so
 presets anchor them with ``^``; plans and decisions keep the full names.
 
@@ -39,6 +41,7 @@ POLICY_VERSION = 1
 INT4_MODES = ("int4_mixed", "int4_full")
 INT4_FORMAT = "w4a4"
 INT4_MIXED_INT8_FORMAT = "int8_convrot"
+FLOAT = "float"  # a ``layer_formats`` value: keep the layer in float
 
 
 def all_modes() -> tuple[str, ...]:
@@ -114,6 +117,9 @@ class Policy:
     int4_mixed_ratio: float = 0.2
     min_features: int = 32
     extra_keep_float: tuple[str, ...] = ()  # user patterns added to the preset's
+    #: per-layer overrides (layer name relative to the diffusion model -> format name or "float"),
+    #: kept as sorted ``(name, format)`` pairs so the policy stays hashable; a mapping is accepted
+    layer_formats: tuple[tuple[str, str], ...] = ()
     version: int = POLICY_VERSION
 
     def __post_init__(self):
@@ -135,9 +141,20 @@ class Policy:
         object.__setattr__(self, "extra_keep_float", tuple(self.extra_keep_float))
         for pattern in self.extra_keep_float:
             _compile(pattern, "extra_keep_float")
+        object.__setattr__(self, "layer_formats", _layer_formats(self.layer_formats))
+
+    @property
+    def layer_format_map(self) -> dict[str, str]:
+        """``layer_formats`` as a dict (layer name -> format name or ``"float"``)."""
+        return dict(self.layer_formats)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "extra_keep_float": list(self.extra_keep_float)}
+        out = {**dataclasses.asdict(self), "extra_keep_float": list(self.extra_keep_float)}
+        if self.layer_formats:
+            out["layer_formats"] = self.layer_format_map
+        else:
+            del out["layer_formats"]  # absent unless set: uncalibrated policies keep their old form
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Policy":
@@ -156,9 +173,11 @@ class Policy:
         """Decide every layer. ``shapes`` maps state-dict keys (``<layer>.weight``...) to shapes."""
         preset = preset or self.resolve_preset(shapes)
         keep = [_compile(p, "keep_float") for p in (*preset.keep_float, *self.extra_keep_float)]
+        overrides = self.layer_format_map
         prefix = model_prefix(shapes)
         decisions: dict[str, LayerDecision] = {}
         candidates: list[str] = []
+        overridden: list[str] = []  # named in layer_formats: no mode rule, but the fallback chain
         for key, shape in shapes.items():
             if not key.endswith(".weight") or len(shape) != 2:
                 continue
@@ -167,8 +186,14 @@ class Policy:
             if not name.startswith(prefix):
                 decisions[name] = LayerDecision(name, shape, None, f"outside the diffusion model (prefix {prefix!r})")
                 continue
+            override = overrides.get(name[len(prefix):])
             hit = next((p.pattern for p in keep if p.search(name[len(prefix):])), None)
-            if hit is not None:
+            if override == FLOAT:
+                decisions[name] = LayerDecision(name, shape, None, "layer_formats: float")
+            elif override is not None:
+                decisions[name] = LayerDecision(name, shape, override, "layer_formats")
+                overridden.append(name)
+            elif hit is not None:
                 decisions[name] = LayerDecision(name, shape, None, f"keep_float pattern {hit!r}")
             elif min(shape) < self.min_features:
                 decisions[name] = LayerDecision(name, shape, None, f"smaller than min_features={self.min_features}")
@@ -186,7 +211,7 @@ class Policy:
         elif self.mode == "int4_full":
             for name in candidates:
                 decisions[name] = dataclasses.replace(decisions[name], format=INT4_FORMAT, reason="int4_full")
-        for name in candidates:
+        for name in (*candidates, *overridden):
             d = decisions[name]
             try:
                 codec, reasons = fallback_chain(d.format, d.shape)
@@ -198,6 +223,26 @@ class Policy:
                     d, format=codec.spec.name,
                     reason=f"fallback {d.format} -> {codec.spec.name}: {'; '.join(reasons)} [{d.reason}]")
         return Plan(mode=self.mode, preset=preset.name, layers=tuple(decisions.values()))
+
+
+def _layer_formats(value) -> tuple[tuple[str, str], ...]:
+    """Validate ``layer_formats`` (a mapping or ``(name, format)`` pairs) into sorted pairs."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise PolicyError(f"layer_formats must map layer names to format names (a JSON object), got {value!r:.80}")
+    allowed = (*FORMATS, FLOAT)
+    for name, fmt in items:
+        if not isinstance(name, str) or not name:
+            raise PolicyError(f"layer_formats: layer names must be non-empty strings, got {name!r}")
+        if fmt not in allowed:
+            raise PolicyError(f"layer_formats: layer {name!r} has format {fmt!r}; expected one of "
+                              f"{', '.join(allowed)}")
+    if len({name for name, _ in items}) != len(items):
+        raise PolicyError("layer_formats names a layer twice")
+    return tuple(sorted(items))
 
 
 def _compile(pattern: str, what: str) -> re.Pattern:

@@ -1,0 +1,393 @@
+"""Calibration: measure every layer under every candidate format on real inputs, then choose.
+
+The caller runs the model (a few real denoising steps, see ``nodes/calibrate.py``) with
+:func:`calibration_samples.record_linear_inputs` on the layers a structural policy would quantize,
+and hands the recorded samples and the float weights to :func:`calibrate`, which
+
+1. measures each layer's relative output error and stored bytes under each candidate format
+   (``calibration_measure.py``; FP8 with its static ``input_scale``; SmoothQuant smoothing too when
+   ``smoothing="measure"``),
+2. picks one format per layer so the diffusion model fits the :class:`Budget` at the least summed
+   error (``calibration_choose.py``),
+3. returns a :class:`CalibrationResult`: the structural policy plus ``layer_formats`` (the choice),
+   each layer's measurements, and the static ``input_scale`` of every FP8 layer.
+
+**The policy file** (:meth:`CalibrationResult.save`, :func:`load_policy_file`) is JSON::
+
+    {"schema": "lowbit.policy", "version": 1,
+     "policy": {... Policy.to_dict(), with "layer_formats": {layer: format} ...},
+     "calibration": {"config": {...}, "budget_bytes": ..., "fixed_bytes": ..., "used_bytes": ...,
+                     "total_error": ..., "source": {...how the inputs were recorded...},
+                     "layers": {layer: {"shape": [N, K], "format": "w4a4", "rows": 256,
+                                        "input_scale": 0.0123,            # FP8 layers only
+                                        "measured": {format: {"error": ..., "bytes": ...,
+                                                              "smoothed_error": ..., "smoothing_alpha": ...}}}}}}
+
+A bare ``Policy.to_dict()`` object is a policy file too (no calibration data). Layer names are
+relative to the diffusion model, as ``Policy`` patterns are.
+
+**Smoothing is measured, not applied.** ComfyUI's checkpoint form has a ``pre_quant_scale`` field,
+but stock ComfyUI (0.30) loads it only for ``nvfp4`` layers and LowBit's runtime does not apply it
+yet: a file whose int8/fp8/4-bit layers carried it would run wrong. The report shows, per layer,
+how much SmoothQuant smoothing would lower the measured error, so the gain is known for when a
+runtime applies it; ``calibration_measure.smoothed_weight`` gives the native weight form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .calibration_choose import Budget, choose_formats
+from .calibration_measure import (DEFAULT_ALPHAS, FLOAT, FormatMeasurement, measure_layer, resolve_candidates,
+                                  takes_input_scale)
+from .calibration_samples import DEFAULT_MAX_ROWS, ActivationSample
+from .errors import LowBitError, PolicyError
+from .formats import FORMATS
+from .policy import Policy
+from .safetensors_file import check_output_path
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "lowbit.policy"
+FILE_VERSION = 1
+CONFIG_VERSION = 1
+DEFAULT_CANDIDATES = ("w4a4", "int8_convrot")  # int4_mixed's pair, so a ratio budget compares like with like
+SMOOTHING_MODES = ("off", "measure")
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+REPORT_MIN_SMOOTHING_GAIN = 1.05  # smoothing is reported where it lowers the error by at least 5 %
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What to measure and how to choose. Validates itself; round-trips through :meth:`to_dict`."""
+
+    budget: Budget = Budget("ratio", 0.2)
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES  # format names, or "float" (keep in the compute dtype)
+    smoothing: str = "measure"  # "off" or "measure" (reported, see the module docstring)
+    alphas: tuple[float, ...] = DEFAULT_ALPHAS  # SmoothQuant migration strengths tried per layer
+    rows_per_layer: int = DEFAULT_MAX_ROWS
+    compute_dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self):
+        if self.version != CONFIG_VERSION:
+            raise PolicyError(f"calibration config version {self.version} is not supported (this LowBit reads "
+                              f"version {CONFIG_VERSION})")
+        object.__setattr__(self, "budget", Budget.parse(self.budget))
+        candidates = tuple(parse_candidates(self.candidates))
+        object.__setattr__(self, "candidates", candidates)
+        if self.smoothing not in SMOOTHING_MODES:
+            raise PolicyError(f"smoothing must be one of {', '.join(SMOOTHING_MODES)}, got {self.smoothing!r}")
+        alphas = tuple(float(a) for a in self.alphas)
+        if not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
+            raise PolicyError(f"alphas (SmoothQuant strengths) must be numbers from 0 to 1, got {self.alphas!r}")
+        object.__setattr__(self, "alphas", alphas)
+        if isinstance(self.rows_per_layer, bool) or not isinstance(self.rows_per_layer, int) or self.rows_per_layer < 1:
+            raise PolicyError(f"rows_per_layer must be a positive integer, got {self.rows_per_layer!r}")
+        if self.compute_dtype not in DTYPE_NAMES:
+            raise PolicyError(f"compute_dtype must be one of {', '.join(DTYPE_NAMES.values())}, got {self.compute_dtype}")
+
+    def to_dict(self) -> dict:
+        return {"budget": str(self.budget) if self.budget.kind == "ratio" else int(self.budget.value),
+                "candidates": list(self.candidates), "smoothing": self.smoothing, "alphas": list(self.alphas),
+                "rows_per_layer": self.rows_per_layer, "compute_dtype": DTYPE_NAMES[self.compute_dtype],
+                "seed": self.seed, "version": self.version}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "CalibrationConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise PolicyError(f"unknown calibration config keys {sorted(unknown)}; known keys: {sorted(known)}")
+        values = dict(data)
+        if "budget" in values:
+            values["budget"] = Budget.parse(str(values["budget"]))
+        if "compute_dtype" in values:
+            names = {v: k for k, v in DTYPE_NAMES.items()}
+            if values["compute_dtype"] not in names:
+                raise PolicyError(f"compute_dtype must be one of {', '.join(names)}, got {values['compute_dtype']!r}")
+            values["compute_dtype"] = names[values["compute_dtype"]]
+        for key in ("candidates", "alphas"):
+            if key in values:
+                values[key] = tuple(values[key])
+        return cls(**values)
+
+
+def parse_candidates(value) -> list[str]:
+    """Candidate formats from a list or a comma/space separated string; validated, order kept."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    allowed = (*FORMATS, FLOAT)
+    bad = [c for c in items if c not in allowed]
+    if bad or not items:
+        raise PolicyError(f"candidate formats {bad or '(none)'} are not formats; expected one or more of "
+                          f"{', '.join(allowed)} (e.g. 'w4a4, int8_convrot')")
+    if len(set(items)) != len(items):
+        raise PolicyError(f"candidate formats name a format twice: {items}")
+    return items
+
+
+@dataclass(frozen=True)
+class LayerCalibration:
+    """One layer: what was measured and what was chosen."""
+
+    name: str
+    shape: tuple[int, int]
+    format: str  # the chosen format, or "float"
+    measured: tuple[FormatMeasurement, ...]
+    rows: int  # input rows the measurement ran on
+
+    @property
+    def by_format(self) -> dict[str, FormatMeasurement]:
+        return {m.format: m for m in self.measured}
+
+    @property
+    def chosen(self) -> FormatMeasurement:
+        return self.by_format[self.format]
+
+    @property
+    def input_scale(self) -> float | None:
+        """The static FP8 ``input_scale`` of the chosen format (``None`` for formats without one)."""
+        return self.chosen.input_scale if takes_input_scale(self.format) else None
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"shape": list(self.shape), "format": self.format, "rows": self.rows}
+        if self.input_scale is not None:
+            out["input_scale"] = self.input_scale
+        out["measured"] = {m.format: {k: v for k, v in dataclasses.asdict(m).items() if k != "format" and v is not None}
+                           for m in self.measured}
+        return out
+
+    @classmethod
+    def from_dict(cls, name: str, data: Mapping) -> "LayerCalibration":
+        try:
+            measured = tuple(FormatMeasurement(format=fmt, **values) for fmt, values in data["measured"].items())
+            layer = cls(name=name, shape=tuple(int(d) for d in data["shape"]), format=data["format"],
+                        measured=measured, rows=int(data.get("rows", 0)))
+        except (KeyError, TypeError, ValueError) as err:
+            raise PolicyError(f"policy file: calibration of layer {name!r} is malformed ({err!r}); expected "
+                              f"shape, format and measured") from None
+        if layer.format not in layer.by_format:
+            raise PolicyError(f"policy file: layer {name!r} chose {layer.format!r}, which was not measured "
+                              f"(measured: {', '.join(layer.by_format)})")
+        return layer
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """A calibrated policy with the measurements behind it (see the module docstring)."""
+
+    policy: Policy
+    config: CalibrationConfig
+    budget_bytes: int  # what the calibrated layers could take
+    fixed_bytes: int  # the rest of the diffusion model (float layers, biases, norms)
+    layers: tuple[LayerCalibration, ...]
+    source: dict = field(default_factory=dict)  # how the inputs were recorded (steps, conditioning...)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(layer.chosen.bytes for layer in self.layers)
+
+    @property
+    def total_error(self) -> float:
+        return sum(layer.chosen.error for layer in self.layers)
+
+    def input_scales(self) -> dict[str, float]:
+        """``{layer: input_scale}`` for every layer whose chosen format takes a static input scale."""
+        return {layer.name: layer.input_scale for layer in self.layers if layer.input_scale is not None}
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            out[layer.format] = out.get(layer.format, 0) + 1
+        return dict(sorted(out.items()))
+
+    # ---- file form ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA, "version": FILE_VERSION, "policy": self.policy.to_dict(),
+            "calibration": {
+                "config": self.config.to_dict(), "budget_bytes": self.budget_bytes, "fixed_bytes": self.fixed_bytes,
+                "used_bytes": self.used_bytes, "total_error": self.total_error, "source": dict(self.source),
+                "layers": {layer.name: layer.to_dict() for layer in self.layers},
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "CalibrationResult":
+        policy, calibration = _split_policy_file(data)
+        if calibration is None:
+            raise PolicyError("this policy file holds no calibration data (a plain policy); calibrate the model "
+                              "to get one")
+        try:
+            layers = calibration["layers"]
+            result = cls(policy=policy, config=CalibrationConfig.from_dict(calibration.get("config", {})),
+                         budget_bytes=int(calibration["budget_bytes"]), fixed_bytes=int(calibration.get("fixed_bytes", 0)),
+                         layers=tuple(LayerCalibration.from_dict(name, layer) for name, layer in layers.items()),
+                         source=dict(calibration.get("source", {})))
+        except (KeyError, TypeError, AttributeError) as err:
+            raise PolicyError(f"policy file: the calibration section is malformed ({err!r}); expected budget_bytes "
+                              f"and layers") from None
+        chosen = {layer.name: layer.format for layer in result.layers}
+        if chosen != policy.layer_format_map:
+            raise PolicyError("policy file: policy.layer_formats and the calibration's chosen formats disagree; "
+                              "the file was edited by hand. Recalibrate, or remove the calibration section.")
+        return result
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        path = Path(path)
+        check_output_path(path, overwrite=overwrite)
+        path.write_text(self.to_json() + "\n", encoding="utf-8")
+        return path
+
+    def metadata_summary(self) -> dict:
+        """A small summary for a checkpoint's ``lowbit_calibration`` metadata (the full file can be large)."""
+        return {"schema": SCHEMA, "version": FILE_VERSION, "config": self.config.to_dict(),
+                "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes, "fixed_bytes": self.fixed_bytes,
+                "total_error": self.total_error, "layers": self.counts(), "input_scales": len(self.input_scales()),
+                "source": dict(self.source)}
+
+    # ---- reporting ------------------------------------------------------------------------
+    def summary(self) -> str:
+        counts = ", ".join(f"{k}: {v}" for k, v in self.counts().items())
+        budget = self.budget_bytes + self.fixed_bytes
+        return (f"calibrated {len(self.layers)} layers to {self.config.budget} ({_size(budget)} for the diffusion "
+                f"model): {_size(self.used_bytes + self.fixed_bytes)} used; total relative error "
+                f"{self.total_error:.4g}; {counts}; {len(self.input_scales())} static FP8 input scales")
+
+    def table(self) -> str:
+        """A markdown report: the chosen policy and every layer's measured error per format."""
+        formats = [f for f in (*self.config.candidates, *sorted({m.format for l in self.layers for m in l.measured}))
+                   if any(f in l.by_format for l in self.layers)]
+        formats = list(dict.fromkeys(formats))
+        smoothing = self.config.smoothing == "measure"
+        header = ["layer", "shape", "chosen", "bytes", *(f"{f} error" for f in formats)]
+        header += ["input_scale"] + (["smoothing (error with / without)"] if smoothing else [])
+        lines = [f"**{self.summary()}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for layer in self.layers:
+            by_format = layer.by_format
+            cells = [layer.name, "x".join(map(str, layer.shape)), layer.format, _size(layer.chosen.bytes)]
+            cells += [f"{by_format[f].error:.3e}" if f in by_format else "-" for f in formats]
+            cells.append(f"{layer.input_scale:.4g}" if layer.input_scale is not None else "-")
+            if smoothing:
+                gain = layer.chosen.smoothing_gain
+                cells.append(f"a={layer.chosen.smoothing_alpha:g}: {layer.chosen.smoothed_error:.3e} "
+                             f"({gain:.2f}x lower)" if gain is not None and gain >= REPORT_MIN_SMOOTHING_GAIN else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        if smoothing:
+            helped = [l for l in self.layers if (l.chosen.smoothing_gain or 0) >= REPORT_MIN_SMOOTHING_GAIN]
+            lines += ["", f"SmoothQuant smoothing would lower the measured error of {len(helped)} of {len(self.layers)} "
+                          f"layers by at least {REPORT_MIN_SMOOTHING_GAIN - 1:.0%} (measured only: see docs/calibration.md)."]
+        return "\n".join(lines)
+
+
+def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, ActivationSample], config: CalibrationConfig,
+              *, policy: Policy, fixed_bytes: int = 0, float_itemsize: int = 2, source: Mapping | None = None,
+              device: torch.device | str | None = None,
+              progress: Callable[[int, int], None] | None = None) -> CalibrationResult:
+    """Measure the layers of ``samples`` and choose their formats (see the module docstring).
+
+    ``weights[name]`` is each layer's float ``[N, K]`` weight (fetched once per layer, so it may be
+    a lazy mapping); ``policy`` is the structural policy the layers were planned with (its preset
+    and keep-float rules stay; ``layer_formats`` is replaced). ``fixed_bytes``: the bytes of every
+    other tensor of the diffusion model, counted against a byte budget. ``float_itemsize``: bytes
+    per value of a layer kept in float. ``device``: where to measure (default: each weight's device).
+    """
+    alphas = config.alphas if config.smoothing == "measure" else ()
+    names = list(samples)
+    layers: dict[str, tuple[tuple[int, int], dict[str, FormatMeasurement], int]] = {}
+    for done, name in enumerate(names, 1):
+        weight = weights[name]
+        shape = tuple(int(d) for d in weight.shape)
+        if not resolve_candidates(config.candidates, shape):
+            log.info("LowBit: no candidate format takes layer %s %s; it keeps the policy's choice", name, shape)
+        else:
+            measured = measure_layer(weight, samples[name], config.candidates, compute_dtype=config.compute_dtype,
+                                     alphas=alphas, float_itemsize=float_itemsize, device=device)
+            layers[name] = (shape, measured, int(samples[name].rows.shape[0]))
+        del weight
+        if progress is not None:
+            progress(done, len(names))
+    errors = {name: {f: m.error for f, m in measured.items()} for name, (_, measured, _) in layers.items()}
+    sizes = {name: {f: m.bytes for f, m in measured.items()} for name, (_, measured, _) in layers.items()}
+    budget_bytes = config.budget.resolve({name: shape for name, (shape, _, _) in layers.items()}, fixed_bytes)
+    if budget_bytes <= 0 and layers:
+        raise PolicyError(f"the budget {config.budget} leaves {budget_bytes:,} bytes for the quantized layers once the "
+                          f"rest of the model ({fixed_bytes:,} bytes) is counted; raise the budget")
+    chosen = choose_formats(errors, sizes, budget_bytes) if layers else {}
+    calibrated = dataclasses.replace(policy, layer_formats=chosen)
+    results = tuple(LayerCalibration(name, shape, chosen[name], tuple(measured.values()), rows)
+                    for name, (shape, measured, rows) in layers.items())
+    return CalibrationResult(calibrated, config, budget_bytes, int(fixed_bytes), results, dict(source or {}))
+
+
+# ---- policy files ---------------------------------------------------------------------------
+
+def load_policy_file(path: str | os.PathLike) -> tuple[Policy, CalibrationResult | None]:
+    """Read a policy file: a calibrated one (``schema`` ``lowbit.policy``) or a bare ``Policy.to_dict()``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"policy file not found: {path}" if not path.exists()
+                                else f"policy path {path} is not a file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PolicyError(f"policy file {path} is not valid JSON: {err}") from None
+    try:
+        return parse_policy(data)
+    except LowBitError as err:
+        raise type(err)(f"policy file {path}: {err}") from None
+
+
+def parse_policy(data: Mapping | str) -> tuple[Policy, CalibrationResult | None]:
+    """A policy (and its calibration, when present) from a policy file's JSON object or text."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as err:
+            raise PolicyError(f"the policy is not valid JSON: {err}") from None
+    policy, calibration = _split_policy_file(data)
+    return policy, (CalibrationResult.from_dict(data) if calibration is not None else None)
+
+
+def _split_policy_file(data) -> tuple[Policy, Mapping | None]:
+    if not isinstance(data, Mapping):
+        raise PolicyError(f"a policy file is a JSON object, found {type(data).__name__}")
+    if "schema" not in data:
+        return Policy.from_dict(data), None  # a bare Policy.to_dict()
+    if data["schema"] != SCHEMA:
+        raise PolicyError(f"schema is {data['schema']!r}, expected {SCHEMA!r}")
+    if data.get("version") != FILE_VERSION:
+        raise PolicyError(f"policy file version {data.get('version')!r} is not supported (this LowBit reads version "
+                          f"{FILE_VERSION}); update LowBit or recalibrate")
+    unknown = set(data) - {"schema", "version", "policy", "calibration"}
+    if unknown:
+        raise PolicyError(f"unknown keys {sorted(unknown)}; known keys: schema, version, policy, calibration")
+    if not isinstance(data.get("policy"), Mapping):
+        raise PolicyError("a policy file needs a 'policy' object (Policy.to_dict())")
+    calibration = data.get("calibration")
+    if calibration is not None and not isinstance(calibration, Mapping):
+        raise PolicyError(f"'calibration' must be an object, found {type(calibration).__name__}")
+    return Policy.from_dict(data["policy"]), calibration
+
+
+def _size(n: int | float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+__all__ = ["Budget", "CalibrationConfig", "CalibrationResult", "LayerCalibration", "DEFAULT_CANDIDATES", "calibrate",
+           "load_policy_file", "parse_policy", "parse_candidates", "choose_formats"]

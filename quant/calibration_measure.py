@@ -1,0 +1,206 @@
+"""Measure one layer under each candidate format on its recorded inputs.
+
+The error of a format on a layer is the relative output error of the format's own linear (its
+weight rounding *and* its activation quantization, as it runs) against the float product on the
+same inputs::
+
+    error = ||codec.linear(x, Q(W)) - x W^T|| / ||x W^T||
+
+``x`` are the layer's recorded input rows in the compute dtype; ``x W^T`` is computed in fp32. The
+bias is left out (it is added exactly by every format). ``"float"`` is the layer kept in the
+compute dtype.
+
+Activation-side parameters that ComfyUI's checkpoint format has fields for:
+
+* **input_scale** (formats whose native form has one and whose stock loader uses it: FP8
+  per-tensor, ``float8_e4m3fn``): the abs-max of every calibration input / 448, so no per-call
+  abs-max pass is needed. The fp8 error is measured with that static scale, as it will run.
+* **pre_quant_scale** (SmoothQuant smoothing): ComfyUI multiplies the input by ``pre_quant_scale``
+  before the linear, so with ``s_j = max|X_j|^a / max|W_j|^(1-a)`` (normalised to geometric mean 1)
+  the layer stores ``pre_quant_scale = 1 / s`` and the weight ``W diag(s)``; ``x W^T`` is unchanged.
+  Each ``a`` of a small grid is measured and the best kept when it lowers the error.
+
+Nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .calibration_samples import ActivationSample
+from .errors import LowBitError
+from .formats import fallback_chain, get_format
+from .native import layer_tensors
+
+FLOAT = "float"
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+#: native formats whose stored ``input_scale`` stock ComfyUI (and LowBit) quantize activations with
+STATIC_INPUT_SCALE_NATIVE = ("float8_e4m3fn",)
+DEFAULT_ALPHAS = (0.25, 0.5, 0.75)
+_FLOOR = 1e-5  # channel maxima below this share of the largest are raised to it (no zero divisors)
+
+
+@dataclass(frozen=True)
+class FormatMeasurement:
+    """One candidate format measured on one layer."""
+
+    format: str
+    error: float  # relative output error as the format runs (fp8: with the static input_scale)
+    bytes: int  # stored bytes of the layer's weight in this format (tensors + comfy_quant [+ input_scale])
+    input_scale: float | None = None  # the static input_scale used (formats that take one)
+    smoothed_error: float | None = None  # best error with SmoothQuant smoothing (None: not measured)
+    smoothing_alpha: float | None = None  # the ``a`` that gave ``smoothed_error``
+
+    @property
+    def smoothing_gain(self) -> float | None:
+        """``error / smoothed_error`` (> 1: smoothing helps), or ``None`` when not measured."""
+        if self.smoothed_error is None:
+            return None
+        return math.inf if self.smoothed_error == 0 else self.error / self.smoothed_error
+
+
+def takes_input_scale(fmt: str) -> bool:
+    """Whether layers of format ``fmt`` get a static ``input_scale`` from calibration."""
+    return fmt != FLOAT and get_format(fmt).spec.native_format in STATIC_INPUT_SCALE_NATIVE
+
+
+def static_input_scale(channel_amax: torch.Tensor, pre_quant_scale: torch.Tensor | None = None) -> float:
+    """The FP8 per-tensor activation scale: abs-max of the (smoothed) calibration inputs / 448."""
+    amax = channel_amax.float()
+    if pre_quant_scale is not None:
+        amax = amax * pre_quant_scale.float()
+    # in fp32, as the codec's dynamic path divides: the same inputs give the same scale bit for bit
+    return float(amax.max().clamp(min=1e-12) / FP8_E4M3_MAX)
+
+
+def smoothing_scale(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-input-channel ``s = max|X_j|^a / max|W_j|^(1-a)``, geometric mean 1 (fp32 ``[K]``)."""
+    x_max = _floored(channel_amax.float())
+    w_max = _floored(weight.float().abs().amax(dim=0))
+    s = x_max.pow(alpha) / w_max.pow(1.0 - alpha)
+    return s / s.log().mean().exp()
+
+
+def stored_bytes(fmt: str, shape: tuple[int, int], *, float_itemsize: int = 2) -> int:
+    """Bytes a ``[N, K]`` weight takes in format ``fmt`` (tensors + ``comfy_quant``; ``"float"``: ``N*K*itemsize``)."""
+    n, k = (int(d) for d in shape)
+    if fmt == FLOAT:
+        return n * k * float_itemsize
+    fixed, per_row = _bytes_per_row(fmt, k)
+    return fixed + per_row * n + (4 if takes_input_scale(fmt) else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _bytes_per_row(fmt: str, in_features: int) -> tuple[int, int]:
+    """Stored bytes are affine in the row count (per-row data plus fixed parts): measure two row counts."""
+    codec = get_format(fmt)
+    rows = 16 * codec.spec.out_features_multiple
+    generator = torch.Generator().manual_seed(0)
+    sizes = []
+    for n in (rows, 2 * rows):
+        qt = codec.quantize(torch.randn(n, in_features, generator=generator), compute_dtype=torch.bfloat16)
+        sizes.append(sum(t.numel() * t.element_size() for t in layer_tensors(codec, "layer", qt).values()))
+    per_row = (sizes[1] - sizes[0]) // rows
+    return sizes[0] - per_row * rows, per_row
+
+
+def resolve_candidates(candidates: tuple[str, ...], shape: tuple[int, int]) -> tuple[str, ...]:
+    """The formats ``candidates`` give a layer of ``shape`` after each one's fallback chain, deduplicated."""
+    out: list[str] = []
+    for fmt in candidates:
+        if fmt != FLOAT:
+            try:
+                fmt = fallback_chain(fmt, tuple(shape))[0].spec.name
+            except ValueError:
+                continue
+        if fmt not in out:
+            out.append(fmt)
+    return tuple(out)
+
+
+def relative_error(reference: torch.Tensor, output: torch.Tensor) -> float:
+    reference = reference.double()
+    denom = reference.norm()
+    if denom == 0:
+        return 0.0 if torch.equal(output.double(), reference) else math.inf
+    return float((output.double() - reference).norm() / denom)
+
+
+def measure_layer_errors(weight: torch.Tensor, inputs: torch.Tensor, candidate_formats, *,
+                         channel_amax: torch.Tensor | None = None,
+                         compute_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """``{format: relative output error}`` of ``weight`` on ``inputs`` for each candidate that takes its shape.
+
+    ``channel_amax`` (per input channel, over every calibration input) gives FP8 its static
+    ``input_scale``; without it FP8 is measured with the per-call abs-max of ``inputs``.
+    """
+    measured = _measure(weight, inputs, channel_amax, tuple(candidate_formats), compute_dtype=compute_dtype,
+                        alphas=(), float_itemsize=2, device=None)
+    return {fmt: m.error for fmt, m in measured.items()}
+
+
+def measure_layer(weight: torch.Tensor, sample: ActivationSample, candidate_formats, *,
+                  compute_dtype: torch.dtype = torch.bfloat16, alphas: tuple[float, ...] = (),
+                  float_itemsize: int = 2, device: torch.device | str | None = None) -> dict[str, FormatMeasurement]:
+    """Every candidate (after fallback) measured on the layer's sample (on ``device`` when given);
+    SmoothQuant smoothing too, for each strength in ``alphas``."""
+    return _measure(weight, sample.rows, sample.channel_amax, tuple(candidate_formats), compute_dtype=compute_dtype,
+                    alphas=tuple(alphas), float_itemsize=float_itemsize, device=device)
+
+
+def smoothed_weight(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:
+    """The weight a layer stores next to ``pre_quant_scale``: ``W diag(1 / pre_quant_scale)`` (fp32)."""
+    return weight.float() / pre_quant_scale.float()[None, :]
+
+
+def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas, float_itemsize, device):
+    if weight.dim() != 2 or inputs.dim() != 2 or inputs.shape[1] != weight.shape[1]:
+        raise LowBitError(f"measuring a layer needs a [N, K] weight and [M, K] inputs, got weight "
+                          f"{tuple(weight.shape)} and inputs {tuple(inputs.shape)}")
+    device = weight.device if device is None else torch.device(device)
+    w = weight.to(device=device, dtype=torch.float32)
+    x = inputs.to(device=device, dtype=compute_dtype)
+    amax = None if channel_amax is None else channel_amax.to(device=device, dtype=torch.float32)
+    with torch.no_grad():
+        reference = torch.nn.functional.linear(x.float(), w)
+        out: dict[str, FormatMeasurement] = {}
+        for fmt in resolve_candidates(candidates, tuple(w.shape)):
+            if fmt == FLOAT:
+                error = relative_error(reference, torch.nn.functional.linear(x, w.to(compute_dtype)))
+                out[fmt] = FormatMeasurement(fmt, error, w.numel() * float_itemsize)
+                continue
+            error, size, scale = _run(fmt, w, x, amax, None, reference, compute_dtype)
+            best = (None, None)
+            for alpha in alphas if amax is not None else ():
+                s = smoothing_scale(amax, w, alpha)
+                smoothed, _, _ = _run(fmt, w * s[None, :], x, amax, 1.0 / s, reference, compute_dtype)
+                if best[0] is None or smoothed < best[0]:
+                    best = (smoothed, alpha)
+            out[fmt] = FormatMeasurement(fmt, error, size, scale, *best)
+    return out
+
+
+def _run(fmt, w, x, channel_amax, pre_quant_scale, reference, compute_dtype):
+    """(error, stored bytes, input_scale) of format ``fmt`` for weight ``w`` on inputs ``x``."""
+    codec = get_format(fmt)
+    qt = codec.quantize(w, compute_dtype=compute_dtype)
+    if pre_quant_scale is not None:
+        x = x * pre_quant_scale.to(x.dtype)  # as ComfyUI applies it: in the input's dtype
+    scale = None
+    if takes_input_scale(fmt) and channel_amax is not None:
+        scale = static_input_scale(channel_amax, pre_quant_scale)
+    size = sum(t.numel() * t.element_size() for t in layer_tensors(codec, "layer", qt).values())
+    if scale is not None:
+        size += 4  # the fp32 input_scale scalar
+    static = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=x.device)
+    output = codec.linear(x, qt, None, static)
+    return relative_error(reference, output.float()), size, scale
+
+
+def _floored(values: torch.Tensor) -> torch.Tensor:
+    top = values.max() if values.numel() else torch.tensor(1.0)
+    return values.clamp(min=float(top.clamp(min=1e-30)) * _FLOOR)
