@@ -37,6 +37,7 @@ import comfy.model_management
 import comfy.ops
 from comfy_kitchen.tensor import QuantizedTensor
 
+from ..quant.compiled_linear import quantized_linear
 from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatError
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
@@ -164,6 +165,10 @@ class LowBitLinearMixin:
         _run_every_op()
         config: LowBitOpsConfig = self.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
         if self._lowbit_runs_quantized(input, config):
+            if torch.compiler.is_compiling() and not hasattr(self, "_v"):
+                # one opaque custom op with a fake: torch.compile traces it (see quant/compiled_linear.py)
+                return quantized_linear(codec.spec.name, input, self.weight, self.bias,
+                                        getattr(self, "input_scale", None), config.backend)
             return self._lowbit_quantized_forward(input, codec, config)
         return self._lowbit_dequantized_forward(input)
 

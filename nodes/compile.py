@@ -1,0 +1,336 @@
+"""Compile Quantized Model (LowBit): ``torch.compile`` for quantized diffusion models, lazily and safely.
+
+What the node does (each point is a fix for a way stock compile goes wrong on quantized models):
+
+* **Compiles at the first sampling call.** The node only adds an ``APPLY_MODEL`` wrapper; the wrapper
+  looks the model's modules up on every call, so object patches, LoRA injections and weight patches
+  applied after the node (or by the sampler) are what gets compiled.
+* **Repeated blocks share one compiled function.** Every ``nn.ModuleList`` of blocks of one class
+  (Flux's ``double_blocks`` / ``single_blocks``, a DiT's ``blocks``...) runs through one
+  ``torch.compile`` of that class's ``forward``; the blocks' weights are graph inputs, so N blocks cost
+  one trace. The compiled functions are kept per process (per block class and settings): running
+  the node again, cloning the model or changing a LoRA does not start a new compile.
+* **Quantized linears are one custom op each** (``lowbit::quantized_linear``, with a fake), so
+  ``fullgraph=True`` traces every LowBit format (``quant/compiled_linear.py``).
+* **No recompilation storms.** Guards on ``transformer_options`` (block index, sigmas, patches...)
+  are dropped, as stock ComfyUI does. With ``dynamic = tokens`` every dimension but the last of the
+  blocks' tensor inputs is marked dynamic from the first call, so one graph serves every resolution
+  (the bucket is: batch 1, or batch >= 2; any token count >= 2). Dynamic LoRA strengths live in
+  tensors edited in place, and swapping LoRAs of the same ranks swaps tensors of the same shapes:
+  neither is guarded on (adding or removing hooks is: empty hook dictionaries are guarded too, so a
+  LoRA attached after a compile is never skipped). Dynamo's recompile limit is raised to ``recompile_limit`` (never lowered).
+* **Dynamic VRAM**: the branch after the node is demoted to a regular ModelPatcher, as stock
+  compile does (Dynamic VRAM's per-layer streaming cannot run inside a compiled graph).
+* **Falls back to eager with a warning** naming the error when compiling fails, instead of failing
+  the workflow; the model then runs uncompiled for the rest of the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from comfy_api.latest import io
+
+from . import CATEGORY
+from .common import NodeInputError
+
+log = logging.getLogger(__name__)
+
+SETTINGS_VERSION = 1
+WRAPPER_KEY = "lowbit.compile"
+STOCK_COMPILE_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
+BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
+MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+SCOPES = ("blocks", "diffusion_model")
+DYNAMIC = ("tokens", "static")
+#: compile errors that make the wrapper fall back to eager (anything else is the model's own error)
+COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,
+                                                   torch._dynamo.exc.FailOnRecompileLimitHit)
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How to compile. Validates itself; round-trips through :meth:`to_dict`.
+
+    ``backend``/``mode``: ``torch.compile``'s (``mode`` only for inductor). ``scope``: ``blocks``
+    compiles each repeated block class once, ``diffusion_model`` compiles the whole forward.
+    ``dynamic``: ``tokens`` marks every non-feature dimension dynamic from the first call (one graph
+    for all resolutions), ``static`` specializes on shapes (a new resolution compiles again).
+    ``fullgraph``: fail (and fall back to eager) on a graph break instead of splitting the graph.
+    ``recompile_limit``: Dynamo's per-function limit is raised to at least this.
+    """
+
+    backend: str = "inductor"
+    mode: str = "default"
+    scope: str = "blocks"
+    dynamic: str = "tokens"
+    fullgraph: bool = False
+    recompile_limit: int = 32
+    version: int = SETTINGS_VERSION
+
+    def __post_init__(self):
+        for name, allowed in (("backend", BACKENDS), ("mode", MODES), ("scope", SCOPES), ("dynamic", DYNAMIC)):
+            if getattr(self, name) not in allowed:
+                raise NodeInputError(f"compile {name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.mode != "default" and self.backend != "inductor":
+            raise NodeInputError(f"compile mode {self.mode!r} needs the inductor backend, got {self.backend!r}; "
+                                 f"fix: set mode to default or backend to inductor")
+        limit = self.recompile_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1024:
+            raise NodeInputError(f"recompile_limit must be an integer from 1 to 1024, got {limit!r}")
+        if not isinstance(self.fullgraph, bool):
+            raise NodeInputError(f"fullgraph must be true or false, got {self.fullgraph!r}")
+        if self.version != SETTINGS_VERSION:
+            raise NodeInputError(f"compile settings version {self.version} is not supported "
+                                 f"(expected {SETTINGS_VERSION})")
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "mode": self.mode, "scope": self.scope, "dynamic": self.dynamic,
+                "fullgraph": self.fullgraph, "recompile_limit": self.recompile_limit, "version": self.version}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CompileSettings":
+        return cls(**data)
+
+    def compile_key(self) -> tuple:
+        """What makes two compiled functions different (the recompile limit does not)."""
+        return (self.backend, self.mode, self.dynamic, self.fullgraph)
+
+
+# ---- guards, limits, dynamic dimensions ----------------------------------------------------------------
+
+def skip_transformer_options_guards(guard_entries) -> list[bool]:
+    """Keep every guard except those on ``transformer_options`` (block index, sigmas, patch lists...)."""
+    return [("transformer_options" not in entry.name) for entry in guard_entries]
+
+
+def raise_recompile_limits(limit: int) -> None:
+    """Raise Dynamo's per-function and accumulated recompile limits to at least ``limit`` / ``8 * limit``."""
+    config = torch._dynamo.config
+    if config.recompile_limit < limit:
+        log.info("LowBit compile: Dynamo recompile_limit %d -> %d", config.recompile_limit, limit)
+        config.recompile_limit = limit
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * limit)
+
+
+def mark_dynamic_dims(value) -> None:
+    """Mark every dimension but the last of each tensor in ``value`` (a tensor, or a tuple/list of them)
+    as dynamic, where it has at least 2 elements. Dimensions the model's code fixes (a head size a
+    reshape needs) are specialized by Dynamo without error (``maybe_mark_dynamic``); dictionaries
+    (``transformer_options``) are left alone."""
+    if isinstance(value, torch.Tensor):
+        for dim in range(value.dim() - 1):
+            if value.shape[dim] >= 2:
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            mark_dynamic_dims(item)
+
+
+# ---- the compiled functions (one per class and settings, for the whole process) -------------------------
+
+_COMPILED: "weakref.WeakKeyDictionary[type, dict[tuple, Callable]]" = weakref.WeakKeyDictionary()
+
+
+def compiled_forward(cls: type, settings: CompileSettings) -> Callable:
+    """The ``torch.compile`` of ``cls.forward`` for ``settings``, made once per process.
+
+    Reusing the same compiled function is what keeps a second run of the node (a new LoRA strength,
+    a cloned model) from compiling again: Dynamo's cache entries belong to the function's backend.
+    """
+    per_class = _COMPILED.setdefault(cls, {})
+    key = settings.compile_key()
+    fn = per_class.get(key)
+    if fn is None:
+        options = {"guard_filter_fn": skip_transformer_options_guards}
+        mode = None if settings.mode == "default" else settings.mode
+        fn = torch.compile(cls.forward, backend=settings.backend, mode=mode, fullgraph=settings.fullgraph,
+                           dynamic=False if settings.dynamic == "static" else None, options=options)
+        per_class[key] = fn
+    return fn
+
+
+def repeated_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """The ``nn.ModuleList``s of at least two modules of one class (outermost lists only), by name."""
+    found: list[tuple[str, torch.nn.ModuleList]] = []
+    for name, module in diffusion_model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue
+        found.append((name, module))
+    return found
+
+
+def _runner(compiled: Callable, dynamic: bool) -> Callable:
+    def forward(self, *args, **kwargs):
+        if dynamic:
+            mark_dynamic_dims(args)
+            mark_dynamic_dims(tuple(kwargs.values()))
+        return compiled(self, *args, **kwargs)
+
+    return forward
+
+
+@dataclass
+class CompileState:
+    """What a wrapper has done (read by tests and the log)."""
+
+    calls: int = 0
+    regions: tuple[str, ...] = ()
+    failure: str | None = None  # why the model now runs eager
+
+
+class CompileWrapper:
+    """The ``APPLY_MODEL`` wrapper: installs the compiled forwards for one call, then takes them off."""
+
+    def __init__(self, settings: CompileSettings):
+        self.settings = settings
+        self.state = CompileState()
+
+    def regions(self, base_model) -> list[tuple[str, torch.nn.Module]]:
+        dm = base_model.diffusion_model
+        if self.settings.scope == "diffusion_model":
+            return [("diffusion_model", dm)]
+        regions = [(f"diffusion_model.{name}.{i}", block)
+                   for name, blocks in repeated_blocks(dm) for i, block in enumerate(blocks)]
+        if not regions:  # nothing repeats: compile the whole forward rather than nothing
+            log.info("LowBit compile: %s has no repeated blocks; compiling its whole forward", type(dm).__name__)
+            regions = [("diffusion_model", dm)]
+        return regions
+
+    def __call__(self, executor, *args, **kwargs):
+        self.state.calls += 1
+        if self.state.failure is not None:
+            return executor(*args, **kwargs)
+        regions = self.regions(executor.class_obj)
+        self.state.regions = tuple(sorted({type(module).__qualname__ for _, module in regions}))
+        raise_recompile_limits(self.settings.recompile_limit)
+        installed = self._install(regions)
+        try:
+            # Dynamo skips guards on *empty* hook dicts by default: a block compiled before a Dynamic
+            # LoRA hooked its layers would then run without the LoRA. Guard them (a length check each).
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+                return executor(*args, **kwargs)
+        except COMPILE_ERRORS as err:
+            self.state.failure = f"{type(err).__name__}: {_first_lines(str(err))}"
+            log.warning(
+                "LowBit compile: compiling %s failed, so this model runs uncompiled (eager) from now on. "
+                "Error: %s. Fix: try fullgraph=false, backend=aot_eager to see whether the backend or the "
+                "graph is at fault, or run with TORCH_LOGS=graph_breaks for details.",
+                ", ".join(self.state.regions) or "the model", self.state.failure)
+        finally:
+            _uninstall(installed)
+        return executor(*args, **kwargs)
+
+    def _install(self, regions) -> list[tuple[torch.nn.Module, object]]:
+        installed = []
+        dynamic = self.settings.dynamic == "tokens"
+        for _, module in regions:
+            forward = types.MethodType(_runner(compiled_forward(type(module), self.settings), dynamic), module)
+            installed.append((module, module.__dict__.get("forward", _ABSENT)))
+            module.forward = forward
+        return installed
+
+
+_ABSENT = object()
+
+
+def _uninstall(installed) -> None:
+    for module, previous in reversed(installed):
+        if previous is _ABSENT:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+
+
+def _first_lines(text: str, lines: int = 3, limit: int = 500) -> str:
+    return " ".join(text.strip().splitlines()[:lines])[:limit]
+
+
+# ---- the node ---------------------------------------------------------------------------------------
+
+def demoted_clone(model):
+    """A clone of ``model`` that is not a Dynamic VRAM patcher (stock compile's ``disable_dynamic``)."""
+    try:
+        return model.clone(disable_dynamic=True)
+    except RuntimeError as err:  # a Dynamic VRAM model its loader cannot rebuild
+        log.warning("LowBit compile: cannot leave Dynamic VRAM for this model (%s); compiling it as it is, which "
+                    "may fall back to eager", err)
+        return model.clone()
+
+
+def compile_model(model, settings: CompileSettings):
+    """A clone of ``model`` that compiles at its first sampling call (the node's work)."""
+    from comfy.patcher_extension import WrappersMP
+
+    patched = demoted_clone(model)
+    if patched.get_wrappers(WrappersMP.APPLY_MODEL, STOCK_COMPILE_KEY):
+        log.info("LowBit compile: replacing the stock TorchCompileModel wrapper on this model")
+        patched.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, STOCK_COMPILE_KEY)
+    patched.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    patched.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, CompileWrapper(settings))
+    return patched
+
+
+def compile_wrapper(model) -> CompileWrapper | None:
+    """The LowBit compile wrapper on ``model``, if any."""
+    from comfy.patcher_extension import WrappersMP
+
+    wrappers = model.get_wrappers(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    return wrappers[0] if wrappers else None
+
+
+class LowBitCompileQuantizedModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowBitCompileQuantizedModel",
+            display_name="Compile Quantized Model (LowBit)",
+            category=CATEGORY,
+            description=(
+                "torch.compile for quantized (and float) diffusion models: compiles at the first sampling call, "
+                "repeated blocks share one compile, LoRA strength changes and resolution changes do not "
+                "recompile, and a failed compile falls back to eager with a warning."),
+            inputs=[
+                io.Model.Input("model", tooltip="A diffusion model, quantized by LowBit or not. Put LoRA and "
+                               "patch nodes before or after this node: compiling waits for the first sampling call."),
+                io.Combo.Input("backend", options=list(BACKENDS), default="inductor",
+                               tooltip="inductor: generated kernels (fastest). cudagraphs: CUDA graphs only. "
+                               "aot_eager / eager: debugging (trace only, no speed-up)."),
+                io.Combo.Input("mode", options=list(MODES), default="default", optional=True,
+                               tooltip="inductor's mode. max-autotune tries more kernel configurations (slow first "
+                               "run); reduce-overhead adds CUDA graphs."),
+                io.Combo.Input("scope", options=list(SCOPES), default="blocks", optional=True,
+                               tooltip="blocks: compile each repeated transformer block class once (fast first run). "
+                               "diffusion_model: compile the whole forward."),
+                io.Combo.Input("dynamic", options=list(DYNAMIC), default="tokens", optional=True,
+                               tooltip="tokens: one compiled graph for every resolution (no recompiles when the "
+                               "image size changes). static: specialize on the size (a new size compiles again)."),
+                io.Boolean.Input("fullgraph", default=False, optional=True,
+                                 tooltip="Fail on any graph break (then run uncompiled, with a warning) instead of "
+                                 "splitting the block into several graphs."),
+                io.Int.Input("recompile_limit", default=32, min=1, max=1024, optional=True,
+                             tooltip="Dynamo's recompile limit per compiled function is raised to at least this."),
+            ],
+            outputs=[io.Model.Output(tooltip="The model, compiled at its first sampling call (the input is unchanged).")],
+        )
+
+    @classmethod
+    def execute(cls, model, backend: str = "inductor", mode: str = "default", scope: str = "blocks",
+                dynamic: str = "tokens", fullgraph: bool = False, recompile_limit: int = 32) -> io.NodeOutput:
+        settings = CompileSettings(backend=backend, mode=mode, scope=scope, dynamic=dynamic,
+                                   fullgraph=bool(fullgraph), recompile_limit=int(recompile_limit))
+        return io.NodeOutput(compile_model(model, settings))
+
+
+__all__ = ["CompileSettings", "CompileState", "CompileWrapper", "LowBitCompileQuantizedModel", "compile_model",
+           "compile_wrapper", "compiled_forward", "mark_dynamic_dims", "repeated_blocks",
+           "skip_transformer_options_guards"]

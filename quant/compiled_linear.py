@@ -1,0 +1,240 @@
+"""Every LowBit quantized linear as one ``torch.library`` custom op, so ``torch.compile`` traces it.
+
+``lowbit::quantized_linear(x, qdata, param_tensors, bias, input_scale, spec, backend)`` runs
+``codec.linear`` for the weight that ``qdata``, ``param_tensors`` and the ``spec`` string describe.
+Under ``torch.compile`` the graph holds this one opaque node per layer, with a fake (meta)
+implementation that only computes the output shape, instead of tracing the weight's tensor subclass
+through comfy-kitchen's ``__torch_dispatch__`` and its backend registry. That gives:
+
+* every format compiles with ``fullgraph=True``, including the native 4-bit ones whose kitchen
+  handlers cannot run on fake tensors (they build constants on the real CPU);
+* the compiled model runs exactly the eager kernels (the body *is* ``codec.linear``, measured
+  dispatcher included), so compiled and eager outputs of a layer are bit-identical;
+* guards see only plain tensors and a few constants (format, shapes, group sizes), so blocks of
+  equal shapes share one compiled graph and nothing about LoRA strengths is ever guarded.
+
+``spec`` is a string built by :func:`linear_spec` from the weight's non-tensor layout parameters,
+with Python operations Dynamo can trace (no ``json``); the op parses it (cached) back into the
+layout's ``Params``. :func:`quantized_linear` is what callers use: the op while compiling, the
+codec directly otherwise (a custom op's Python dispatch costs tens of microseconds per call).
+
+Nothing here imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import functools
+import importlib
+from typing import Any
+
+import torch
+from comfy_kitchen.tensor import QuantizedTensor
+
+from .errors import LowBitError
+
+SPEC_VERSION = "lowbit-linear-v1"
+_SEP = "\x1f"  # between the spec's parts (never inside a repr of the values it holds)
+_FIELD_SEP = "\x1e"  # between field entries
+#: dtypes passed to the op as their bytes (``uint8`` views): torch's schema checker and some CPU
+#: kernels cannot compare or copy float8 tensors, and a byte view is free
+_BYTE_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                       "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
+#: kernel backends ``backend`` may name (as nodes/comfy_ops.KERNEL_BACKENDS)
+BACKENDS = ("auto", "kitchen", "eager")
+
+
+class CompiledLinearError(LowBitError):
+    """A spec string that does not describe a LowBit weight."""
+
+
+# ---- the spec string (built while Dynamo traces) ---------------------------------------------------
+
+def linear_spec(format_name: str, weight: QuantizedTensor) -> str:
+    """The constant part of ``weight`` as one string: format, layout, Params class and the values of
+    its non-tensor fields (tensor fields are passed to the op as tensors, in :func:`param_tensors`' order).
+
+    Written with f-strings and ``repr`` only, which Dynamo folds to a constant while tracing.
+    """
+    params = weight._params
+    params_cls = type(params)
+    tensor_fields = []
+    values = []
+    for field in dataclasses.fields(params):
+        value = getattr(params, field.name)
+        if isinstance(value, torch.Tensor):
+            tensor_fields.append(field.name)
+        else:
+            values.append(f"{field.name}={value!r}")
+    byte_views = [f"{i}:{t.dtype!r}" for i, t in enumerate([weight._qdata, *param_tensors(weight)])
+                  if t.dtype in _BYTE_DTYPES]
+    return _SEP.join((SPEC_VERSION, format_name, weight._layout_cls,
+                      f"{params_cls.__module__}:{params_cls.__qualname__}", ",".join(tensor_fields),
+                      _FIELD_SEP.join(values), ",".join(byte_views)))
+
+
+def param_tensors(weight: QuantizedTensor) -> list[torch.Tensor]:
+    """The tensor fields of ``weight``'s Params, in declaration order (as :func:`linear_spec` names them)."""
+    params = weight._params
+    out = []
+    for field in dataclasses.fields(params):
+        value = getattr(params, field.name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    format_name: str
+    layout: str
+    params_cls: type
+    tensor_fields: tuple[str, ...]
+    values: dict[str, Any]
+    byte_views: dict[int, torch.dtype]  # tensor index (0: qdata, i + 1: tensor field i) -> its real dtype
+
+    @property
+    def out_features(self) -> int:
+        shape = self.values["orig_shape"]
+        return int(shape[1] if self.values.get("transposed", False) else shape[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def parse_spec(spec: str) -> _Spec:
+    """The :class:`_Spec` a :func:`linear_spec` string describes (cached: one parse per distinct layer kind)."""
+    parts = spec.split(_SEP)
+    if len(parts) != 7 or parts[0] != SPEC_VERSION:
+        raise CompiledLinearError(
+            f"not a LowBit linear spec (expected {SPEC_VERSION!r} and 7 parts, found {spec[:80]!r}); "
+            f"it is built by lowbit.quant.compiled_linear.linear_spec")
+    _, format_name, layout, cls_path, tensor_fields, values, byte_views = parts
+    module_name, _, qualname = cls_path.partition(":")
+    params_cls: Any = importlib.import_module(module_name)
+    for name in qualname.split("."):
+        params_cls = getattr(params_cls, name)
+    parsed = {}
+    for entry in values.split(_FIELD_SEP) if values else ():
+        name, _, text = entry.partition("=")
+        parsed[name] = _literal(text)
+    views = {}
+    for entry in byte_views.split(",") if byte_views else ():
+        index, _, dtype = entry.partition(":")
+        views[int(index)] = _literal(dtype)
+    return _Spec(format_name, layout, params_cls, tuple(f for f in tensor_fields.split(",") if f), parsed, views)
+
+
+def _literal(text: str):
+    if text.startswith("torch."):  # a dtype: repr(torch.bfloat16) == "torch.bfloat16"
+        value = getattr(torch, text[len("torch."):], None)
+        if not isinstance(value, torch.dtype):
+            raise CompiledLinearError(f"linear spec value {text!r} is not a torch dtype")
+        return value
+    return ast.literal_eval(text)
+
+
+def rebuild_weight(qdata: torch.Tensor, tensors: list[torch.Tensor], spec: _Spec) -> QuantizedTensor:
+    """The ``QuantizedTensor`` that ``qdata``, ``tensors`` and ``spec`` describe."""
+    if len(tensors) != len(spec.tensor_fields):
+        raise CompiledLinearError(f"{spec.format_name}: the spec names tensor fields {spec.tensor_fields} but "
+                                  f"{len(tensors)} tensors were passed")
+    qdata, *tensors = [t.view(spec.byte_views[i]) if i in spec.byte_views else t
+                       for i, t in enumerate([qdata, *tensors])]
+    params = spec.params_cls(**spec.values, **dict(zip(spec.tensor_fields, tensors)))
+    return QuantizedTensor(qdata, spec.layout, params)
+
+
+def _run(format_name: str, x, weight: QuantizedTensor, bias, input_scale, backend: str) -> torch.Tensor:
+    from .formats import get_format
+
+    if weight.dtype != x.dtype:
+        weight = weight.to(dtype=x.dtype)  # metadata only (the output dtype), as ComfyUI's forward does
+    with backend_scope(backend):
+        out = get_format(format_name).linear(x, weight, bias, input_scale)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+# ---- kernel backend scope ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def backend_scope(name: str):
+    """Run LowBit's and comfy-kitchen's kernels inside the block on backend ``name`` (``auto``: as chosen)."""
+    if name not in BACKENDS:
+        raise CompiledLinearError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        yield
+        return
+    from ..kernels.backend import force_backend
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(force_backend(name))
+        if name == "eager":
+            import comfy_kitchen as ck
+
+            stack.enter_context(ck.registry.use_backend("eager"))
+        yield
+
+
+# ---- the op -----------------------------------------------------------------------------------------
+
+def _quantized_linear_impl(x: torch.Tensor, qdata: torch.Tensor, param_tensors: list[torch.Tensor],
+                           bias: torch.Tensor | None, input_scale: torch.Tensor | None, spec: str,
+                           backend: str) -> torch.Tensor:
+    parsed = parse_spec(spec)
+    # the fake promises x's dtype and a fresh tensor (every codec's linear returns a new tensor)
+    return _run(parsed.format_name, x, rebuild_weight(qdata, list(param_tensors), parsed), bias, input_scale, backend)
+
+
+def _quantized_linear_fake(x, qdata, param_tensors, bias, input_scale, spec, backend):
+    return x.new_empty((*x.shape[:-1], parse_spec(spec).out_features))
+
+
+def _define():
+    # The package can be imported twice under different names (``lowbit`` and ComfyUI's custom-node
+    # module name): define the op once per process and reuse it.
+    try:
+        return torch.ops.lowbit.quantized_linear
+    except (AttributeError, RuntimeError):
+        pass
+    op = torch.library.custom_op("lowbit::quantized_linear", _quantized_linear_impl, mutates_args=())
+    op.register_fake(_quantized_linear_fake)
+    return torch.ops.lowbit.quantized_linear
+
+
+quantized_linear_op = _define()
+
+
+def _as_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = t.to(device)
+    return t.view(torch.uint8) if t.dtype in _BYTE_DTYPES else t
+
+
+def op_arguments(format_name: str, x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None,
+                 input_scale: torch.Tensor | None = None, backend: str = "auto") -> tuple:
+    """The arguments of ``lowbit::quantized_linear`` for one call: the weight's tensors on ``x``'s device
+    (float8 ones as byte views), the bias in ``x``'s dtype, the spec string."""
+    device = x.device
+    if bias is not None:
+        bias = bias.to(device=device, dtype=x.dtype)
+    if input_scale is not None:
+        input_scale = input_scale.to(device)
+    return (x, _as_bytes(weight._qdata, device), [_as_bytes(t, device) for t in param_tensors(weight)], bias,
+            input_scale, linear_spec(format_name, weight), backend)
+
+
+def quantized_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None,
+                     input_scale: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """``codec.linear(x, weight, bias, input_scale)`` on kernel ``backend``, compile-safe.
+
+    While ``torch.compile`` traces, this is the ``lowbit::quantized_linear`` op (weight tensors moved
+    to ``x``'s device, bias cast to ``x``'s dtype, as ComfyUI's cast would); otherwise the codec runs
+    directly. The output has ``x``'s dtype.
+    """
+    if torch.compiler.is_compiling():
+        return quantized_linear_op(*op_arguments(format_name, x, weight, bias, input_scale, backend))
+    return _run(format_name, x, weight, bias, input_scale, backend)
+
+
+__all__ = ["CompiledLinearError", "backend_scope", "linear_spec", "op_arguments", "param_tensors", "parse_spec",
+           "quantized_linear", "quantized_linear_op", "rebuild_weight"]
