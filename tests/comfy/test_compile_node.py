@@ -195,3 +195,69 @@ def test_failure_falls_back_to_eager_with_a_warning(quantized, caplog):
     calls = state.calls
     run(compiled)
     assert state.calls == calls + 1 and state.failure is not None
+
+
+def sample(model_patcher, steps: int = 2, cfg: float = 1.0) -> torch.Tensor:
+    """A real KSampler run (the path that merges the patcher's wrappers into transformer_options)."""
+    import comfy.sample
+
+    gen = torch.Generator().manual_seed(0)
+    positive = [[torch.randn(1, 8, 64, generator=gen), {"pooled_output": torch.randn(1, 32, generator=gen)}]]
+    negative = [[torch.randn(1, 8, 64, generator=gen), {"pooled_output": torch.randn(1, 32, generator=gen)}]]
+    latent = torch.zeros(1, 16, 16, 16)
+    noise = torch.randn(1, 16, 16, 16, generator=gen)
+    return comfy.sample.sample(model_patcher, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                               disable_pbar=True, seed=0).float()
+
+
+def test_ksampler_compiles_at_the_first_sampling_call(quantized):
+    reference = sample(quantized, cfg=2.0)
+    compiled = compile_model(quantized, FULLGRAPH)
+    wrapper = compile_wrapper(compiled)
+    assert wrapper.state.calls == 0
+    out = sample(compiled, cfg=2.0)  # cond and uncond batched: batch 2
+    assert wrapper.state.calls >= 2 and wrapper.state.failure is None
+    assert wrapper.state.regions == ("DoubleStreamBlock", "SingleStreamBlock")
+    assert sqnr_db(reference, out) > 30
+    before = graphs()
+    sample(compiled, cfg=2.0)
+    assert graphs() == before
+
+
+def test_recompile_limit_is_raised_never_lowered(monkeypatch):
+    from lowbit.nodes.compile import raise_recompile_limits
+
+    config = torch._dynamo.config
+    monkeypatch.setattr(config, "recompile_limit", 8)
+    monkeypatch.setattr(config, "accumulated_recompile_limit", 256)
+    raise_recompile_limits(32)
+    assert (config.recompile_limit, config.accumulated_recompile_limit) == (32, 256)
+    raise_recompile_limits(16)
+    assert config.recompile_limit == 32
+    raise_recompile_limits(64)
+    assert (config.recompile_limit, config.accumulated_recompile_limit) == (64, 512)
+
+
+class _DynamicPatcher:
+    """Stands in for a Dynamic VRAM ModelPatcher (Dynamic VRAM needs CUDA)."""
+
+    def __init__(self, rebuildable: bool):
+        self.rebuildable, self.calls = rebuildable, []
+
+    def clone(self, disable_dynamic=False):
+        self.calls.append(disable_dynamic)
+        if disable_dynamic and not self.rebuildable:
+            raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
+        return ("demoted" if disable_dynamic else "dynamic", self)
+
+
+def test_dynamic_vram_branch_is_demoted(caplog):
+    from lowbit.nodes.compile import demoted_clone
+
+    patcher = _DynamicPatcher(rebuildable=True)
+    assert demoted_clone(patcher)[0] == "demoted" and patcher.calls == [True]
+    patcher = _DynamicPatcher(rebuildable=False)
+    with caplog.at_level(logging.WARNING):
+        assert demoted_clone(patcher)[0] == "dynamic"
+    assert patcher.calls == [True, False]
+    assert any("cannot leave Dynamic VRAM" in r.getMessage() for r in caplog.records)
