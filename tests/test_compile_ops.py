@@ -184,3 +184,16 @@ def test_kernel_ops_pass_opcheck_with_every_option():
     q8, scale8, _ = ops.act_quant(x, torch.int8, 127.0, "regular", 256, None, False, 0, "eager")
     torch.library.opcheck(ops.w4a8_mm_op, (q8, packed, scale8, torch.rand(16), None, s_rel, table, 16, 0,
                                            torch.float32, "eager"))
+
+
+def test_docs_example_runs():
+    """Every ```python block of docs/nodes/compile.md runs, in order, in one namespace (CPU)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "nodes" / "compile.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "docs/nodes/compile.md lost its Python example"
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/nodes/compile.md", "exec"), namespace)  # noqa: S102 - our own documentation
