@@ -1,7 +1,9 @@
 """The ``lowbit`` command line: quantize checkpoints, inspect them, list the formats.
 
     python -m lowbit quantize IN.safetensors OUT.safetensors --mode int8_convrot
+    python -m lowbit quantize IN.safetensors OUT.safetensors --policy POLICY.json
     python -m lowbit quantize --demo demo_int8_convrot.safetensors
+    python -m lowbit calibrate IN.safetensors POLICY.json --budget ratio:0.2
     python -m lowbit inspect FILE.safetensors [--mode MODE] [--preset PRESET]
     python -m lowbit formats [--markdown]
     python -m lowbit bench kernels [ARGS ...]
@@ -266,13 +268,24 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     elif len(args.paths) != 2:
         raise LowBitError(f"quantize takes two paths, IN and OUT (or --demo OUT); got {len(args.paths)}: "
                           f"{' '.join(args.paths) or '(none)'}")
-    mode = args.mode or (DEMO_MODE if args.demo else None)
-    if mode is None:
-        raise LowBitError(f"quantize needs --mode MODE, one of: {', '.join(all_modes())}")
-    if args.ratio is not None and mode != "int4_mixed":
-        log.warning("--ratio only applies to --mode int4_mixed; ignored for %s", mode)
-    ratio = {} if args.ratio is None else {"int4_mixed_ratio": args.ratio}
-    policy = Policy(mode=mode, preset=args.preset, extra_keep_float=tuple(args.keep_float), **ratio)
+    calibration = None
+    if args.policy is not None:
+        given = [flag for flag, value in (("--mode", args.mode), ("--preset", args.preset), ("--ratio", args.ratio),
+                                          ("--keep-float", args.keep_float)) if value]
+        if given:
+            raise LowBitError(f"--policy sets the whole policy; drop {', '.join(given)} (or edit the policy file)")
+        from .quant.calibrate import load_policy_file
+
+        policy, calibration = load_policy_file(args.policy)
+        mode = policy.mode
+    else:
+        mode = args.mode or (DEMO_MODE if args.demo else None)
+        if mode is None:
+            raise LowBitError(f"quantize needs --mode MODE (one of: {', '.join(all_modes())}) or --policy FILE")
+        if args.ratio is not None and mode != "int4_mixed":
+            log.warning("--ratio only applies to --mode int4_mixed; ignored for %s", mode)
+        ratio = {} if args.ratio is None else {"int4_mixed_ratio": args.ratio}
+        policy = Policy(mode=mode, preset=args.preset or "auto", extra_keep_float=tuple(args.keep_float), **ratio)
     compute_dtype = getattr(torch, DTYPES[args.dtype])
     device = resolve_device(args.device)
 
@@ -290,7 +303,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.print_plan:
         with open_checkpoint(src) as reader:
             print(policy.plan(reader.shapes()).table(), flush=True)
-    log.info("quantizing %s -> %s (mode %s, preset %s, on %s)", src, out, mode, args.preset, device)
+    log.info("quantizing %s -> %s (%s, preset %s, on %s)", src, out,
+             f"policy {args.policy}" if args.policy else f"mode {mode}", policy.preset, device)
     quiet = getattr(args, "quiet", False)
     with logging_redirect_tqdm(), tqdm(desc="quantizing", unit="tensor", disable=True if quiet else None,
                                        dynamic_ncols=True, leave=False) as bar:
@@ -298,13 +312,91 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             bar.total = total
             bar.update(done - bar.n)
 
-        report = convert_file(src, out, policy, compute_dtype=compute_dtype, device=device,
-                              overwrite=args.overwrite, progress=progress)
+        if calibration is not None:  # formats from the policy, plus the calibrated static FP8 input scales
+            from .quant.calibration_apply import convert_calibrated
+
+            report = convert_calibrated(src, out, policy, input_scales=calibration.input_scales(),
+                                        calibration_summary=calibration.metadata_summary(),
+                                        compute_dtype=compute_dtype, device=device, overwrite=args.overwrite,
+                                        progress=progress)
+        else:
+            report = convert_file(src, out, policy, compute_dtype=compute_dtype, device=device,
+                                  overwrite=args.overwrite, progress=progress)
     print(summary_table(out))
     fallbacks = report.plan.fallbacks()
     if fallbacks:
         log.info("%d layer(s) took a fallback format for their shape (--print-plan shows why)", len(fallbacks))
     log.info("%s", report.summary())
+    return 0
+
+
+def comfyui_path(given: str | None) -> Path:
+    """Where ComfyUI is: ``--comfyui``, else ``$COMFYUI_PATH``, else ``~/ComfyUI``."""
+    import os
+
+    path = Path(given or os.environ.get("COMFYUI_PATH") or Path("~/ComfyUI").expanduser()).expanduser()
+    if not (path / "comfy" / "sd.py").is_file():
+        raise LowBitError(f"calibrate runs the model with ComfyUI, which was not found at {path}; pass "
+                          f"--comfyui PATH (a ComfyUI checkout) or set COMFYUI_PATH")
+    return path
+
+
+def import_comfyui(path: Path, device: str) -> None:
+    """Make ComfyUI importable in this process, on ``device`` (``cpu`` or ``cuda``)."""
+    if device not in ("cpu", "cuda"):
+        raise LowBitError(f"calibrate --device takes auto, cpu or cuda (ComfyUI picks the GPU), got {device!r}")
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = device == "cpu"
+    quiet = not log.isEnabledFor(logging.DEBUG)
+    if quiet:  # ComfyUI reports its backends and devices on import; --debug shows it
+        logging.disable(logging.INFO)
+    try:
+        import comfy.model_management  # noqa: F401
+        import comfy.sd  # noqa: F401
+    finally:
+        if quiet:
+            logging.disable(logging.NOTSET)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from .quant.calibrate import CalibrationConfig
+    from .quant.safetensors_file import check_output_path
+
+    src, out = Path(args.file), Path(args.policy_out)
+    if not src.is_file():
+        raise FileNotFoundError(f"input checkpoint not found: {src}" if not src.exists()
+                                else f"input {src} is not a file; pass a .safetensors checkpoint")
+    check_output_path(out, overwrite=args.overwrite, protect=(src,))
+    config = CalibrationConfig(budget=args.budget, candidates=args.candidates, smoothing=args.smoothing,
+                               rows_per_layer=args.rows, seed=args.seed)
+    if args.steps < 1:
+        raise LowBitError(f"--steps must be at least 1, got {args.steps}")
+    device = resolve_device(args.device)
+    import_comfyui(comfyui_path(args.comfyui), device)
+    import comfy.sd
+
+    from .nodes.calibrate import calibrate_model
+
+    log.info("loading %s with ComfyUI (%s)", src, device)
+    model = comfy.sd.load_diffusion_model(str(src))
+    quiet = getattr(args, "quiet", False)
+    with logging_redirect_tqdm(), tqdm(desc="measuring", unit="layer", disable=True if quiet else None,
+                                       dynamic_ncols=True, leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        result = calibrate_model(model, config, preset=args.preset, steps=args.steps, resolution=args.resolution,
+                                 objective=args.objective, progress=progress)
+    result.save(out, overwrite=args.overwrite)
+    print(result.table() if args.layers else result.summary())
+    log.info("wrote the policy to %s; quantize with: %s quantize %s OUT.safetensors --policy %s", out, PROG, src, out)
     return 0
 
 
@@ -454,7 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("paths", nargs="*", metavar="IN OUT", help="input checkpoint and output path (--demo: OUT only)")
     q.add_argument("--demo", action="store_true", help=f"quantize the built-in tiny Flux model (default mode {DEMO_MODE})")
     q.add_argument("--mode", choices=modes, metavar="MODE", help="one of: %(choices)s")
-    q.add_argument("--preset", default="auto", choices=presets, metavar="PRESET",
+    q.add_argument("--policy", metavar="FILE",
+                   help="a policy file (from 'lowbit calibrate', or a policy's JSON) instead of --mode/--preset/"
+                        "--ratio/--keep-float; a calibrated one also gives FP8 layers their static input_scale")
+    q.add_argument("--preset", default=None, choices=presets, metavar="PRESET",
                    help="architecture preset, one of: %(choices)s (default: auto = detect from the layer names)")
     q.add_argument("--ratio", type=float, default=None, metavar="R",
                    help="int4_mixed only: share of quantized parameters kept in INT8 (0..1, default 0.2)")
@@ -468,6 +563,40 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     q.add_argument("--print-plan", action="store_true", help="print the per-layer plan before converting")
     q.set_defaults(func=cmd_quantize)
+
+    c = sub.add_parser(
+        "calibrate", parents=[common], help="measure each layer's error per format and choose formats for a budget",
+        usage=f"{PROG} calibrate IN POLICY_OUT --budget BUDGET [options]",
+        description="Load the float checkpoint IN with ComfyUI, run a few real denoising steps on a stand-in text "
+                    "embedding, measure every layer's output error under each candidate format, and write the policy "
+                    "that fits BUDGET at the least total error to POLICY_OUT (JSON). Quantize with it: "
+                    f"'{PROG} quantize IN OUT --policy POLICY_OUT'. Needs ComfyUI (--comfyui, $COMFYUI_PATH or "
+                    "~/ComfyUI). For your own prompts, use the Calibrate Policy (LowBit) node.",
+        epilog="BUDGET: the size of the whole diffusion model ('7GB', '6.5GiB', '7000000000' bytes), or 'ratio:R', the "
+               "size int4_mixed takes with a share R of the quantized parameters in INT8.")
+    c.add_argument("file", metavar="IN", help="a float .safetensors diffusion model")
+    c.add_argument("policy_out", metavar="POLICY_OUT", help="where to write the policy file (.json)")
+    c.add_argument("--budget", required=True, metavar="BUDGET", help="size budget: '7GB', '6.5GiB' or 'ratio:0.2'")
+    c.add_argument("--candidates", default="w4a4,int8_convrot", metavar="LIST",
+                   help="comma-separated formats a layer may take, or 'float' (default: %(default)s)")
+    c.add_argument("--preset", default="auto", choices=presets, metavar="PRESET",
+                   help="architecture preset, one of: %(choices)s (default: auto)")
+    c.add_argument("--steps", type=int, default=4, help="denoising steps to record (default %(default)s)")
+    c.add_argument("--resolution", type=int, default=512, metavar="PX",
+                   help="side of the square calibration image in pixels (default %(default)s)")
+    c.add_argument("--rows", type=int, default=256, metavar="N", help="input rows kept per layer (default %(default)s)")
+    c.add_argument("--objective", choices=("model_output", "layer_output"), default="model_output",
+                   help="model_output: replay the recorded steps once per layer and candidate with only that layer "
+                        "quantized and minimise the summed model-output error; layer_output: minimise the layers' "
+                        "own errors (faster). Default %(default)s")
+    c.add_argument("--smoothing", choices=("measure", "off"), default="measure",
+                   help="also measure SmoothQuant smoothing per layer (reported, not applied; default %(default)s)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the noise, stand-in embedding and row sample")
+    c.add_argument("--device", default="auto", help="where the model runs: auto, cpu or cuda")
+    c.add_argument("--comfyui", metavar="PATH", help="ComfyUI checkout (default: $COMFYUI_PATH, else ~/ComfyUI)")
+    c.add_argument("--layers", action="store_true", help="print the per-layer report, not only the summary")
+    c.add_argument("--overwrite", action="store_true", help="replace POLICY_OUT if it exists")
+    c.set_defaults(func=cmd_calibrate)
 
     i = sub.add_parser(
         "inspect", parents=[common], help="show the formats, layer counts and sizes of a checkpoint",

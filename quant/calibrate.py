@@ -6,9 +6,11 @@ and hands the recorded samples and the float weights to :func:`calibrate`, which
 
 1. measures each layer's relative output error and stored bytes under each candidate format
    (``calibration_measure.py``; FP8 with its static ``input_scale``; SmoothQuant smoothing too when
-   ``smoothing="measure"``),
+   ``smoothing="measure"``) and, when the caller can run the model (``output_error``), the
+   model-output error with only that layer in that format,
 2. picks one format per layer so the diffusion model fits the :class:`Budget` at the least summed
-   error (``calibration_choose.py``),
+   error (``calibration_choose.py``): the summed model-output errors when they were measured (the
+   ``"model_output"`` objective), else the summed layer errors (``"layer_output"``),
 3. returns a :class:`CalibrationResult`: the structural policy plus ``layer_formats`` (the choice),
    each layer's measurements, and the static ``input_scale`` of every FP8 layer.
 
@@ -16,11 +18,11 @@ and hands the recorded samples and the float weights to :func:`calibrate`, which
 
     {"schema": "lowbit.policy", "version": 1,
      "policy": {... Policy.to_dict(), with "layer_formats": {layer: format} ...},
-     "calibration": {"config": {...}, "budget_bytes": ..., "fixed_bytes": ..., "used_bytes": ...,
+     "calibration": {"config": {...}, "objective": "model_output", "budget_bytes": ..., "fixed_bytes": ..., "used_bytes": ...,
                      "total_error": ..., "source": {...how the inputs were recorded...},
                      "layers": {layer: {"shape": [N, K], "format": "w4a4", "rows": 256,
                                         "input_scale": 0.0123,            # FP8 layers only
-                                        "measured": {format: {"error": ..., "bytes": ...,
+                                        "measured": {format: {"error": ..., "output_error": ..., "bytes": ...,
                                                               "smoothed_error": ..., "smoothing_alpha": ...}}}}}}
 
 A bare ``Policy.to_dict()`` object is a policy file too (no calibration data). Layer names are
@@ -46,8 +48,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .calibration_choose import Budget, choose_formats
-from .calibration_measure import (DEFAULT_ALPHAS, FLOAT, FormatMeasurement, measure_layer, resolve_candidates,
-                                  takes_input_scale)
+from .calibration_measure import (DEFAULT_ALPHAS, FLOAT, FormatMeasurement, OutputErrorProbe, measure_layer,
+                                  resolve_candidates, takes_input_scale)
 from .calibration_samples import DEFAULT_MAX_ROWS, ActivationSample
 from .errors import LowBitError, PolicyError
 from .formats import FORMATS
@@ -62,6 +64,7 @@ CONFIG_VERSION = 1
 DEFAULT_CANDIDATES = ("w4a4", "int8_convrot")  # int4_mixed's pair, so a ratio budget compares like with like
 SMOOTHING_MODES = ("off", "measure")
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+OBJECTIVES = ("model_output", "layer_output")  # what the choice minimises (see the module docstring)
 REPORT_MIN_SMOOTHING_GAIN = 1.05  # smoothing is reported where it lowers the error by at least 5 %
 
 
@@ -153,6 +156,11 @@ class LayerCalibration:
     def chosen(self) -> FormatMeasurement:
         return self.by_format[self.format]
 
+    def cost(self, fmt: str, objective: str) -> float:
+        """The error the choice minimises for format ``fmt`` under ``objective``."""
+        m = self.by_format[fmt]
+        return m.output_error if objective == "model_output" else m.error
+
     @property
     def input_scale(self) -> float | None:
         """The static FP8 ``input_scale`` of the chosen format (``None`` for formats without one)."""
@@ -191,6 +199,13 @@ class CalibrationResult:
     fixed_bytes: int  # the rest of the diffusion model (float layers, biases, norms)
     layers: tuple[LayerCalibration, ...]
     source: dict = field(default_factory=dict)  # how the inputs were recorded (steps, conditioning...)
+    objective: str = "layer_output"  # "model_output" when model-output errors were measured
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise PolicyError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective == "model_output" and any(m.output_error is None for l in self.layers for m in l.measured):
+            raise PolicyError("objective 'model_output' needs every layer's model-output error measured")
 
     @property
     def used_bytes(self) -> int:
@@ -198,7 +213,8 @@ class CalibrationResult:
 
     @property
     def total_error(self) -> float:
-        return sum(layer.chosen.error for layer in self.layers)
+        """The summed error of the chosen formats under the objective (what the choice minimised)."""
+        return sum(layer.cost(layer.format, self.objective) for layer in self.layers)
 
     def input_scales(self) -> dict[str, float]:
         """``{layer: input_scale}`` for every layer whose chosen format takes a static input scale."""
@@ -215,8 +231,8 @@ class CalibrationResult:
         return {
             "schema": SCHEMA, "version": FILE_VERSION, "policy": self.policy.to_dict(),
             "calibration": {
-                "config": self.config.to_dict(), "budget_bytes": self.budget_bytes, "fixed_bytes": self.fixed_bytes,
-                "used_bytes": self.used_bytes, "total_error": self.total_error, "source": dict(self.source),
+                "config": self.config.to_dict(), "objective": self.objective, "budget_bytes": self.budget_bytes,
+                "fixed_bytes": self.fixed_bytes, "used_bytes": self.used_bytes, "total_error": self.total_error, "source": dict(self.source),
                 "layers": {layer.name: layer.to_dict() for layer in self.layers},
             },
         }
@@ -232,7 +248,8 @@ class CalibrationResult:
             result = cls(policy=policy, config=CalibrationConfig.from_dict(calibration.get("config", {})),
                          budget_bytes=int(calibration["budget_bytes"]), fixed_bytes=int(calibration.get("fixed_bytes", 0)),
                          layers=tuple(LayerCalibration.from_dict(name, layer) for name, layer in layers.items()),
-                         source=dict(calibration.get("source", {})))
+                         source=dict(calibration.get("source", {})),
+                         objective=calibration.get("objective", "layer_output"))
         except (KeyError, TypeError, AttributeError) as err:
             raise PolicyError(f"policy file: the calibration section is malformed ({err!r}); expected budget_bytes "
                               f"and layers") from None
@@ -254,7 +271,7 @@ class CalibrationResult:
     def metadata_summary(self) -> dict:
         """A small summary for a checkpoint's ``lowbit_calibration`` metadata (the full file can be large)."""
         return {"schema": SCHEMA, "version": FILE_VERSION, "config": self.config.to_dict(),
-                "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes, "fixed_bytes": self.fixed_bytes,
+                "objective": self.objective, "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes, "fixed_bytes": self.fixed_bytes,
                 "total_error": self.total_error, "layers": self.counts(), "input_scales": len(self.input_scales()),
                 "source": dict(self.source)}
 
@@ -262,8 +279,9 @@ class CalibrationResult:
     def summary(self) -> str:
         counts = ", ".join(f"{k}: {v}" for k, v in self.counts().items())
         budget = self.budget_bytes + self.fixed_bytes
+        what = "model-output" if self.objective == "model_output" else "layer-output"
         return (f"calibrated {len(self.layers)} layers to {self.config.budget} ({_size(budget)} for the diffusion "
-                f"model): {_size(self.used_bytes + self.fixed_bytes)} used; total relative error "
+                f"model): {_size(self.used_bytes + self.fixed_bytes)} used; summed {what} error "
                 f"{self.total_error:.4g}; {counts}; {len(self.input_scales())} static FP8 input scales")
 
     def table(self) -> str:
@@ -272,13 +290,21 @@ class CalibrationResult:
                    if any(f in l.by_format for l in self.layers)]
         formats = list(dict.fromkeys(formats))
         smoothing = self.config.smoothing == "measure"
+        model = self.objective == "model_output"
         header = ["layer", "shape", "chosen", "bytes", *(f"{f} error" for f in formats)]
+        header += [f"{f} model error" for f in formats] if model else []
         header += ["input_scale"] + (["smoothing (error with / without)"] if smoothing else [])
-        lines = [f"**{self.summary()}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines = [f"**{self.summary()}**", "",
+                 "*error*: the layer's own relative output error; *model error*: the relative error of the model "
+                 "output with only that layer in that format." if model else
+                 "*error*: the layer's own relative output error.", "",
+                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for layer in self.layers:
             by_format = layer.by_format
             cells = [layer.name, "x".join(map(str, layer.shape)), layer.format, _size(layer.chosen.bytes)]
             cells += [f"{by_format[f].error:.3e}" if f in by_format else "-" for f in formats]
+            if model:
+                cells += [f"{by_format[f].output_error:.3e}" if f in by_format else "-" for f in formats]
             cells.append(f"{layer.input_scale:.4g}" if layer.input_scale is not None else "-")
             if smoothing:
                 gain = layer.chosen.smoothing_gain
@@ -295,6 +321,7 @@ class CalibrationResult:
 def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, ActivationSample], config: CalibrationConfig,
               *, policy: Policy, fixed_bytes: int = 0, float_itemsize: int = 2, source: Mapping | None = None,
               device: torch.device | str | None = None,
+              output_error: Callable[[str], OutputErrorProbe] | None = None,
               progress: Callable[[int, int], None] | None = None) -> CalibrationResult:
     """Measure the layers of ``samples`` and choose their formats (see the module docstring).
 
@@ -303,6 +330,8 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
     and keep-float rules stay; ``layer_formats`` is replaced). ``fixed_bytes``: the bytes of every
     other tensor of the diffusion model, counted against a byte budget. ``float_itemsize``: bytes
     per value of a layer kept in float. ``device``: where to measure (default: each weight's device).
+    ``output_error(name)``: the model-output probe of layer ``name`` (see
+    ``calibration_measure.OutputErrorProbe``); with it the choice minimises model-output errors.
     """
     alphas = config.alphas if config.smoothing == "measure" else ()
     names = list(samples)
@@ -313,13 +342,16 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
         if not resolve_candidates(config.candidates, shape):
             log.info("LowBit: no candidate format takes layer %s %s; it keeps the policy's choice", name, shape)
         else:
+            probe = output_error(name) if output_error is not None else None
             measured = measure_layer(weight, samples[name], config.candidates, compute_dtype=config.compute_dtype,
-                                     alphas=alphas, float_itemsize=float_itemsize, device=device)
+                                     alphas=alphas, float_itemsize=float_itemsize, device=device, output_error=probe)
             layers[name] = (shape, measured, int(samples[name].rows.shape[0]))
         del weight
         if progress is not None:
             progress(done, len(names))
-    errors = {name: {f: m.error for f, m in measured.items()} for name, (_, measured, _) in layers.items()}
+    objective = "model_output" if output_error is not None else "layer_output"
+    errors = {name: {f: (m.output_error if objective == "model_output" else m.error) for f, m in measured.items()}
+              for name, (_, measured, _) in layers.items()}
     sizes = {name: {f: m.bytes for f, m in measured.items()} for name, (_, measured, _) in layers.items()}
     budget_bytes = config.budget.resolve({name: shape for name, (shape, _, _) in layers.items()}, fixed_bytes)
     if budget_bytes <= 0 and layers:
@@ -329,7 +361,7 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
     calibrated = dataclasses.replace(policy, layer_formats=chosen)
     results = tuple(LayerCalibration(name, shape, chosen[name], tuple(measured.values()), rows)
                     for name, (shape, measured, rows) in layers.items())
-    return CalibrationResult(calibrated, config, budget_bytes, int(fixed_bytes), results, dict(source or {}))
+    return CalibrationResult(calibrated, config, budget_bytes, int(fixed_bytes), results, dict(source or {}), objective)
 
 
 # ---- policy files ---------------------------------------------------------------------------

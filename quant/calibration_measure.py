@@ -1,14 +1,22 @@
 """Measure one layer under each candidate format on its recorded inputs.
 
-The error of a format on a layer is the relative output error of the format's own linear (its
-weight rounding *and* its activation quantization, as it runs) against the float product on the
-same inputs::
+Two errors per (layer, format):
 
-    error = ||codec.linear(x, Q(W)) - x W^T|| / ||x W^T||
+* **layer error**: the relative output error of the format's own linear (its weight rounding *and*
+  its activation quantization, as it runs) against the float product on the layer's recorded
+  inputs::
 
-``x`` are the layer's recorded input rows in the compute dtype; ``x W^T`` is computed in fp32. The
-bias is left out (it is added exactly by every format). ``"float"`` is the layer kept in the
-compute dtype.
+      error = ||codec.linear(x, Q(W)) - x W^T|| / ||x W^T||
+
+  ``x`` in the compute dtype, ``x W^T`` in fp32, the bias left out (every format adds it exactly);
+* **model-output error** (when the caller can run the model): the relative error of the whole
+  model's output with only this layer in this format, on the calibration inputs. The caller gives
+  an :data:`OutputErrorProbe`; this module hands it the layer's replacement product
+  ``x -> x Q(W)^T`` (bias left to the caller). A layer's own error says little about how much the
+  model output suffers (a modulation layer's error reaches every token), so this is what the
+  choice minimises when it is measured.
+
+``"float"`` is the layer kept in the compute dtype.
 
 Activation-side parameters that ComfyUI's checkpoint format has fields for:
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -43,6 +52,10 @@ STATIC_INPUT_SCALE_NATIVE = ("float8_e4m3fn",)
 DEFAULT_ALPHAS = (0.25, 0.5, 0.75)
 _FLOOR = 1e-5  # channel maxima below this share of the largest are raised to it (no zero divisors)
 
+#: ``probe(replacement) -> relative model-output error`` with the layer computing ``replacement(x)``
+#: (``x Q(W)^T``, no bias) instead of its float product
+OutputErrorProbe = Callable[[Callable[[torch.Tensor], torch.Tensor]], float]
+
 
 @dataclass(frozen=True)
 class FormatMeasurement:
@@ -54,6 +67,7 @@ class FormatMeasurement:
     input_scale: float | None = None  # the static input_scale used (formats that take one)
     smoothed_error: float | None = None  # best error with SmoothQuant smoothing (None: not measured)
     smoothing_alpha: float | None = None  # the ``a`` that gave ``smoothed_error``
+    output_error: float | None = None  # model-output error with only this layer in this format (None: not measured)
 
     @property
     def smoothing_gain(self) -> float | None:
@@ -139,17 +153,19 @@ def measure_layer_errors(weight: torch.Tensor, inputs: torch.Tensor, candidate_f
     ``input_scale``; without it FP8 is measured with the per-call abs-max of ``inputs``.
     """
     measured = _measure(weight, inputs, channel_amax, tuple(candidate_formats), compute_dtype=compute_dtype,
-                        alphas=(), float_itemsize=2, device=None)
+                        alphas=(), float_itemsize=2, device=None, probe=None)
     return {fmt: m.error for fmt, m in measured.items()}
 
 
 def measure_layer(weight: torch.Tensor, sample: ActivationSample, candidate_formats, *,
                   compute_dtype: torch.dtype = torch.bfloat16, alphas: tuple[float, ...] = (),
-                  float_itemsize: int = 2, device: torch.device | str | None = None) -> dict[str, FormatMeasurement]:
+                  float_itemsize: int = 2, device: torch.device | str | None = None,
+                  output_error: OutputErrorProbe | None = None) -> dict[str, FormatMeasurement]:
     """Every candidate (after fallback) measured on the layer's sample (on ``device`` when given);
-    SmoothQuant smoothing too, for each strength in ``alphas``."""
+    SmoothQuant smoothing too, for each strength in ``alphas``; the model-output error through
+    ``output_error`` when given."""
     return _measure(weight, sample.rows, sample.channel_amax, tuple(candidate_formats), compute_dtype=compute_dtype,
-                    alphas=tuple(alphas), float_itemsize=float_itemsize, device=device)
+                    alphas=tuple(alphas), float_itemsize=float_itemsize, device=device, probe=output_error)
 
 
 def smoothed_weight(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:
@@ -157,7 +173,7 @@ def smoothed_weight(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torc
     return weight.float() / pre_quant_scale.float()[None, :]
 
 
-def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas, float_itemsize, device):
+def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas, float_itemsize, device, probe):
     if weight.dim() != 2 or inputs.dim() != 2 or inputs.shape[1] != weight.shape[1]:
         raise LowBitError(f"measuring a layer needs a [N, K] weight and [M, K] inputs, got weight "
                           f"{tuple(weight.shape)} and inputs {tuple(inputs.shape)}")
@@ -170,35 +186,52 @@ def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas,
         out: dict[str, FormatMeasurement] = {}
         for fmt in resolve_candidates(candidates, tuple(w.shape)):
             if fmt == FLOAT:
-                error = relative_error(reference, torch.nn.functional.linear(x, w.to(compute_dtype)))
-                out[fmt] = FormatMeasurement(fmt, error, w.numel() * float_itemsize)
+                product = _float_product(w.to(compute_dtype), compute_dtype)
+                error = relative_error(reference, product(x))
+                out[fmt] = FormatMeasurement(fmt, error, w.numel() * float_itemsize,
+                                             output_error=probe(product) if probe is not None else None)
                 continue
-            error, size, scale = _run(fmt, w, x, amax, None, reference, compute_dtype)
+            product, size, scale = _quantized_product(fmt, w, amax, None, compute_dtype)
+            error = relative_error(reference, product(x).float())
             best = (None, None)
             for alpha in alphas if amax is not None else ():
                 s = smoothing_scale(amax, w, alpha)
-                smoothed, _, _ = _run(fmt, w * s[None, :], x, amax, 1.0 / s, reference, compute_dtype)
-                if best[0] is None or smoothed < best[0]:
-                    best = (smoothed, alpha)
-            out[fmt] = FormatMeasurement(fmt, error, size, scale, *best)
+                smoothed, _, _ = _quantized_product(fmt, w * s[None, :], amax, 1.0 / s, compute_dtype)
+                smoothed_error = relative_error(reference, smoothed(x).float())
+                if best[0] is None or smoothed_error < best[0]:
+                    best = (smoothed_error, alpha)
+            out[fmt] = FormatMeasurement(fmt, error, size, scale, *best,
+                                         output_error=probe(product) if probe is not None else None)
     return out
 
 
-def _run(fmt, w, x, channel_amax, pre_quant_scale, reference, compute_dtype):
-    """(error, stored bytes, input_scale) of format ``fmt`` for weight ``w`` on inputs ``x``."""
+def _float_product(w_compute: torch.Tensor, compute_dtype):
+    def product(x):
+        return torch.nn.functional.linear(x.to(compute_dtype), w_compute).to(x.dtype)
+
+    return product
+
+
+def _quantized_product(fmt, w, channel_amax, pre_quant_scale, compute_dtype):
+    """(``x -> x Q(W)^T`` as format ``fmt`` runs it, stored bytes, static input_scale or None)."""
     codec = get_format(fmt)
     qt = codec.quantize(w, compute_dtype=compute_dtype)
-    if pre_quant_scale is not None:
-        x = x * pre_quant_scale.to(x.dtype)  # as ComfyUI applies it: in the input's dtype
     scale = None
     if takes_input_scale(fmt) and channel_amax is not None:
         scale = static_input_scale(channel_amax, pre_quant_scale)
     size = sum(t.numel() * t.element_size() for t in layer_tensors(codec, "layer", qt).values())
     if scale is not None:
         size += 4  # the fp32 input_scale scalar
-    static = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=x.device)
-    output = codec.linear(x, qt, None, static)
-    return relative_error(reference, output.float()), size, scale
+    static = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=w.device)
+    smooth = None if pre_quant_scale is None else pre_quant_scale.to(compute_dtype)
+
+    def product(x):
+        xc = x.to(compute_dtype)
+        if smooth is not None:
+            xc = xc * smooth.to(xc.device)  # as ComfyUI applies pre_quant_scale: in the input's dtype
+        return codec.linear(xc, qt, None, static).to(x.dtype)
+
+    return product, size, scale
 
 
 def _floored(values: torch.Tensor) -> torch.Tensor:

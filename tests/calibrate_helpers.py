@@ -91,3 +91,28 @@ def output_error(reference_model, model, x) -> float:
     with torch.no_grad():
         reference = reference_model(x)
         return float((model(x) - reference).norm() / reference.norm())
+
+
+def output_probe(model: nn.Module, inputs: list[torch.Tensor]):
+    """``calibrate``'s ``output_error``: layer name -> probe measuring the model's relative output error on
+    ``inputs`` with that layer computing the given replacement product (plus its own bias)."""
+    with torch.no_grad():
+        references = [model(x) for x in inputs]
+    modules = dict(model.named_modules())
+
+    def for_layer(name):
+        module = modules[name]
+
+        def probe(replacement) -> float:
+            handle = module.register_forward_hook(lambda m, args, out: replacement(args[0]) + m.bias)
+            try:
+                with torch.no_grad():
+                    outputs = [model(x) for x in inputs]
+            finally:
+                handle.remove()
+            noise = sum(float((o - r).double().pow(2).sum()) for o, r in zip(outputs, references))
+            return (noise / sum(float(r.double().pow(2).sum()) for r in references)) ** 0.5
+
+        return probe
+
+    return for_layer
