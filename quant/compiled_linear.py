@@ -117,7 +117,11 @@ def parse_spec(spec: str) -> _Spec:
     parsed = {}
     for entry in values.split(_FIELD_SEP) if values else ():
         name, _, text = entry.partition("=")
-        parsed[name] = _literal(text)
+        try:
+            parsed[name] = _literal(text)
+        except (ValueError, SyntaxError) as err:
+            raise CompiledLinearError(f"{format_name}: layout parameter {name}={text} cannot be passed through "
+                                      f"torch.compile (only numbers, strings, tuples, None and dtypes can)") from err
     views = {}
     for entry in byte_views.split(",") if byte_views else ():
         index, _, dtype = entry.partition(":")
@@ -233,6 +237,8 @@ def quantized_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor,
     """
     if torch.compiler.is_compiling():
         return quantized_linear_op(*op_arguments(format_name, x, weight, bias, input_scale, backend))
+    if bias is not None and (bias.dtype != x.dtype or bias.device != x.device):
+        bias = bias.to(device=x.device, dtype=x.dtype)  # as the op path does (and ComfyUI's cast)
     return _run(format_name, x, weight, bias, input_scale, backend)
 
 
