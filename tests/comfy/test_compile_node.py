@@ -1,9 +1,11 @@
 """Compile Quantized Model (LowBit) in real ComfyUI, in-process, inductor on the CPU (issue 6, Show 1).
 
-A tiny Flux (one double and one single block... two of each where sharing is measured) quantized by
-LowBit is compiled with ``fullgraph=True``. Measured: the compiled output against eager, the number
-of graphs Dynamo builds (``torch._dynamo.utils.counters``), and that after warm-up a Dynamic LoRA
-strength change, a swap to other LoRAs of the same ranks and a resolution change build none.
+A tiny Flux (two double and two single blocks) quantized by LowBit is compiled with
+``fullgraph=True``: every format through ComfyUI's LowBit Linear (aot_eager, exact), one format
+end to end on inductor and through a real KSampler. Measured: the compiled output against eager, the
+number of graphs Dynamo builds (``torch._dynamo.utils.counters``: one per block class), and that
+after warm-up a Dynamic LoRA strength change, a swap to other LoRAs of the same ranks and a
+resolution change build none.
 
 ComfyUI's CPU attention (sub-quadratic, which asks psutil for free memory) cannot be traced; the
 tests use ComfyUI's PyTorch attention, what a CUDA install runs.
