@@ -18,7 +18,8 @@ What the node does (each point is a fix for a way stock compile goes wrong on qu
   (the bucket is: batch 1, or batch >= 2; any token count >= 2). Dynamic LoRA strengths live in
   tensors edited in place, and swapping LoRAs of the same ranks swaps tensors of the same shapes:
   neither is guarded on (adding or removing hooks is: empty hook dictionaries are guarded too, so a
-  LoRA attached after a compile is never skipped). Dynamo's recompile limit is raised to ``recompile_limit`` (never lowered).
+  LoRA attached after a compile is never skipped). Dynamo's recompile limit is raised to
+  ``recompile_limit`` (never lowered).
 * **Dynamic VRAM**: the branch after the node is demoted to a regular ModelPatcher, as stock
   compile does (Dynamic VRAM's per-layer streaming cannot run inside a compiled graph).
 * **Falls back to eager with a warning** naming the error when compiling fails, instead of failing
@@ -320,7 +321,8 @@ class LowBitCompileQuantizedModel(io.ComfyNode):
                 io.Int.Input("recompile_limit", default=32, min=1, max=1024, optional=True,
                              tooltip="Dynamo's recompile limit per compiled function is raised to at least this."),
             ],
-            outputs=[io.Model.Output(tooltip="The model, compiled at its first sampling call (the input is unchanged).")],
+            outputs=[io.Model.Output(
+                tooltip="The model, compiled at its first sampling call (the input is unchanged).")],
         )
 
     @classmethod
