@@ -22,6 +22,7 @@ NODE_MODULES: dict[str, tuple[str, ...]] = {
     "save": ("LowBitSaveQuantizedModel",),
     "report": ("LowBitQuantizationReport",),
     "lora_nodes": ("LowBitLoraStackEntry", "LowBitApplyLoraStack", "LowBitLoadLora", "LowBitLoadLoraStack"),
+    "compile": ("LowBitCompileQuantizedModel",),
 }
 
 
