@@ -26,6 +26,9 @@ from collections.abc import Mapping
 from typing import Callable
 
 import torch
+
+import comfy.model_management
+import comfy.sample
 from comfy_api.latest import io, ui
 
 from ..quant.calibrate import OBJECTIVES, CalibrationConfig, CalibrationResult, calibrate, parse_policy
@@ -88,8 +91,6 @@ class _ModelOutputProbe:
             return [self._dm(*args, **kwargs).float() for args, kwargs in self._calls]
 
     def for_layer(self, name: str):
-        import comfy.model_management
-
         module = self._dm.get_submodule(name)
 
         def replace(module, args, output, replacement):
@@ -137,8 +138,6 @@ def default_latent(model_patcher, resolution: int = DEFAULT_RESOLUTION) -> dict:
 
 def run_denoising(model_patcher, positive, latent: dict, steps: int, seed: int) -> None:
     """``steps`` real denoising steps of ComfyUI's sampler from noise on ``latent``'s shape."""
-    import comfy.sample
-
     latent_image = comfy.sample.fix_empty_latent_channels(model_patcher, latent["samples"],
                                                           latent.get("downscale_ratio_spacial"),
                                                           latent.get("downscale_ratio_temporal"))
@@ -194,8 +193,6 @@ def calibrate_model(model_patcher, config: CalibrationConfig, *, preset: str = A
     if skipped:
         log.warning("LowBit: %d planned layers never ran while calibrating (e.g. %s); they keep the int4_mixed "
                     "choice", len(skipped), skipped[0])
-    import comfy.model_management
-
     comfy.model_management.load_models_gpu([model_patcher])  # still loaded after sampling, unless evicted
     probe = _ModelOutputProbe(dm, calls) if objective == "model_output" else None
     itemsize = next(iter(modules.values()))._parameters["weight"].element_size()

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from comfy_helpers import comfyui_path, load_stock, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
+from comfy_helpers import comfyui_path, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
 
 require_comfy()
 
@@ -25,17 +28,19 @@ from lowbit.nodes.common import NodeInputError  # noqa: E402
 from lowbit.nodes.model_quant import native_state_dict, quantize_model, quantized_layers  # noqa: E402
 from lowbit.quant.calibrate import CalibrationConfig, load_policy_file, parse_policy  # noqa: E402
 from lowbit.quant.calibration_choose import Budget  # noqa: E402
-from lowbit.quant.checkpoint import load_quantized, save_checkpoint  # noqa: E402
+from lowbit.quant.checkpoint import load_quantized, open_checkpoint, save_checkpoint  # noqa: E402
 from lowbit.quant.formats import get_format  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 RESOLUTION = 128  # a 16x16 latent, as the other tiny-Flux tests use
 #: calibrated policies on the tiny Flux keep the denoiser output above these SQNRs (measured on the
-#: CPU: 16.4 dB for w4a4 + int8_convrot at ratio 0.3, where structural int4_mixed gives 14.7 dB and
-#: all-w4a4 11.2 dB; 19.2 dB for fp8 + w4a4 at ratio 0.5)
-MIN_SQNR_DB = {"int4": 15.0, "fp8": 17.5}
+#: CPU: 16.4 dB for w4a4 + int8_convrot at ratio 0.3 with the model-output objective, where structural
+#: int4_mixed gives 14.7 dB and all-w4a4 11.2 dB; 13.0 dB for fp8 + w4a4 at ratio 0.5 with the
+#: layer-output objective, which these input-scale tests use because it is fast)
+MIN_SQNR_DB = {"int4": 15.0, "fp8": 12.0}
 #: calibrated (model-output objective) minus structural int4_mixed at the same bytes: measured +2.1 dB
 MIN_GAIN_DB = 1.0
 
@@ -58,7 +63,7 @@ def int4_policy(float_model):
 
 @pytest.fixture(scope="module")
 def fp8_policy(float_model):
-    return _calibrate(float_model, candidates="fp8, w4a4", budget="ratio:0.5")
+    return _calibrate(float_model, candidates="fp8, w4a4", budget="ratio:0.5", objective="layer_output")
 
 
 # ---- schemas --------------------------------------------------------------------------------
@@ -95,7 +100,7 @@ def test_calibrate_node_runs_real_steps_and_leaves_the_model_alone(float_model, 
         assert f"| {layer.name} |" in int4_policy[1]
     # nothing left behind: no hooks, no patches, the same weights
     dm = float_model.model.diffusion_model
-    assert not any(m._forward_pre_hooks for m in dm.modules())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in dm.modules())
     assert not float_model.patches
     after = _weights(float_model)
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -195,30 +200,46 @@ def test_calibrated_beats_structural_int4_mixed_at_the_same_budget(float_model, 
 
 # ---- the CLI --------------------------------------------------------------------------------
 
-def test_cli_calibrate_then_quantize_with_the_policy(tmp_path):
-    src = save_checkpoint(tiny_flux_bf16(), tmp_path / "tiny_flux_bf16.safetensors")
-    policy_file = tmp_path / "policy.json"
-    env_args = ["--comfyui", str(comfyui_path()), "--device", "cpu"]
-    run = subprocess.run([sys.executable, "-m", "lowbit", "calibrate", str(src), str(policy_file), "--budget",
-                          "ratio:0.5", "--candidates", "fp8,w4a4", "--steps", "2", "--resolution", "128",
-                          "--smoothing", "off", "--objective", "layer_output", *env_args],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith("calibrated 26 layers to ratio:0.5")
-    policy, calibration = load_policy_file(policy_file)
-    assert calibration.input_scales()
-    out = tmp_path / "out.safetensors"
-    run = subprocess.run([sys.executable, "-m", "lowbit", "quantize", str(src), str(out), "--policy", str(policy_file)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    loaded = load_quantized(out)
+def _documented_commands() -> list[list[str]]:
+    text = (REPO / "docs" / "calibration.md").read_text(encoding="utf-8")
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line)[3:] for line in block.splitlines() if line.startswith("python -m lowbit ")]
+
+
+def _lowbit(args, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COMFYUI_PATH": str(comfyui_path())}
+    return subprocess.run([sys.executable, "-m", "lowbit", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def test_documented_calibration_commands_run(tmp_path):
+    """docs/calibration.md's commands, in order, in an empty folder: demo model, calibrate, quantize, inspect."""
+    commands = _documented_commands()
+    assert [c[0] for c in commands] == ["quantize", "calibrate", "quantize", "inspect"]
+    runs = []
+    for args in commands:
+        run = _lowbit(args, tmp_path)
+        assert run.returncode == 0, f"lowbit {' '.join(args)}\n{run.stderr}"
+        runs.append(run)
+    assert runs[1].stdout.startswith("calibrated 26 layers to ratio:")
+    policy, calibration = load_policy_file(tmp_path / "tiny_flux_policy.json")
+    assert calibration.objective == "model_output" and calibration.used_bytes <= calibration.budget_bytes
+    assert calibration.input_scales()  # the documented candidates include fp8, and the demo model takes some
+    loaded = load_quantized(tmp_path / "tiny_flux_calibrated.safetensors")
     assert loaded.formats == {n: f for n, f in policy.layer_format_map.items() if f != "float"}
     assert {k[: -len(".input_scale")] for k in loaded.tensors if k.endswith(".input_scale")} == set(calibration.input_scales())
-    # user errors: one line, exit code 2
-    bad = subprocess.run([sys.executable, "-m", "lowbit", "calibrate", str(src), str(tmp_path / "p2.json"), "--budget",
-                          "lots", *env_args], capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "budget" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
-    missing = subprocess.run([sys.executable, "-m", "lowbit", "calibrate", str(src), str(tmp_path / "p3.json"),
-                              "--budget", "ratio:0.2", "--comfyui", str(tmp_path)], capture_output=True, text=True,
-                             timeout=600)
-    assert missing.returncode == 2 and "ComfyUI" in missing.stderr
+    with open_checkpoint(tmp_path / "tiny_flux_calibrated.safetensors") as reader:
+        assert Policy.from_dict(json.loads(reader.metadata["lowbit_policy"])) == policy
+        assert json.loads(reader.metadata["lowbit_calibration"])["budget_bytes"] == calibration.budget_bytes
+
+
+def test_cli_calibrate_user_errors_are_one_line(tmp_path):
+    src = save_checkpoint(tiny_flux_bf16(), tmp_path / "tiny_flux_bf16.safetensors")
+    for args, says in (
+        (["--budget", "lots"], "budget"),
+        (["--budget", "ratio:0.2", "--candidates", "w4a4,int3"], "not formats"),
+        (["--budget", "ratio:0.2", "--comfyui", str(tmp_path)], "ComfyUI"),
+    ):
+        run = _lowbit(["calibrate", str(src), str(tmp_path / "policy.json"), *args], tmp_path)
+        assert run.returncode == 2 and says in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "policy.json").exists()
