@@ -19,7 +19,7 @@ from lowbit.quant.calibrate import (SCHEMA, CalibrationConfig, CalibrationResult
 from lowbit.quant.calibration_apply import LOWBIT_CALIBRATION_KEY, convert_calibrated
 from lowbit.quant.calibration_choose import Budget, choose_formats
 from lowbit.quant.calibration_measure import (FP8_E4M3_MAX, measure_layer, measure_layer_errors, smoothed_weight,
-                                              smoothing_scale, static_input_scale, stored_bytes)
+                                              smoothing_scale, stored_bytes)
 from lowbit.quant.calibration_samples import InputSampler, record_linear_inputs
 from lowbit.quant.checkpoint import load_quantized, open_checkpoint, save_checkpoint
 from lowbit.quant.demo import tiny_flux_state_dict
