@@ -23,6 +23,7 @@ NODE_MODULES: dict[str, tuple[str, ...]] = {
     "report": ("LowBitQuantizationReport",),
     "lora_nodes": ("LowBitLoraStackEntry", "LowBitApplyLoraStack", "LowBitLoadLora", "LowBitLoadLoraStack"),
     "compile": ("LowBitCompileQuantizedModel",),
+    "calibrate": ("LowBitCalibratePolicy", "LowBitApplyPolicy"),
 }
 
 

@@ -70,6 +70,19 @@ def check_savable(model) -> None:
         )
 
 
+def checkpoint_metadata(model, workflow: dict[str, str] | None) -> dict[str, str] | None:
+    """The header metadata of a saved model: the workflow's (unless disabled) plus, for a model LowBit
+    quantized, its version, policy and plan (what the file holds, so kept even with --disable-metadata)."""
+    from ..quant.checkpoint import lowbit_metadata
+    from ..quant.policy import Policy
+    from .model_quant import model_info
+
+    info = model_info(model)
+    if info is None or info.policy is None or info.plan is None:
+        return workflow
+    return lowbit_metadata(workflow or {}, Policy.from_dict(info.policy), info.plan)
+
+
 def workflow_metadata(prompt, extra_pnginfo) -> dict[str, str] | None:
     """The safetensors metadata stock save nodes write: the prompt and each ``extra_pnginfo`` entry as JSON.
 
@@ -146,8 +159,8 @@ class LowBitSaveQuantizedModel(io.ComfyNode):
 
         state_dict = native_state_dict(model)
         bar = comfy.utils.ProgressBar(max(len(state_dict), 1))
-        count = write_checkpoint(state_dict, path, workflow_metadata(cls.hidden.prompt, cls.hidden.extra_pnginfo),
-                                 progress=bar.update_absolute)
+        metadata = checkpoint_metadata(model, workflow_metadata(cls.hidden.prompt, cls.hidden.extra_pnginfo))
+        count = write_checkpoint(state_dict, path, metadata, progress=bar.update_absolute)
 
         n_quantized = len(quantized_layers(model))
         size_mb = os.path.getsize(path) / 2**20

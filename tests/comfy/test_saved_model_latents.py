@@ -42,3 +42,20 @@ def test_saved_file_samples_the_in_memory_latents_bit_for_bit(models_dir, mode):
     from_disk = _sample(reloaded)
     assert torch.equal(in_memory, from_disk)
     assert not torch.equal(in_memory, _sample(float_model)), "the quantized model must differ from the float one"
+
+
+def test_saved_metadata_records_the_policy_even_without_workflow_metadata(models_dir):
+    import json
+
+    from lowbit.nodes.save import checkpoint_metadata
+
+    save_file(tiny_flux_bf16(), str(models_dir / "tiny_flux_bf16.safetensors"))
+    float_model = nodes.UNETLoader().load_unet("tiny_flux_bf16.safetensors", "default")[0]
+    quantized = LowBitQuantizeModel.execute(model=float_model, mode="int4_mixed").result[0]
+    metadata = checkpoint_metadata(quantized, None)  # --disable-metadata: no workflow, still the policy
+    assert json.loads(metadata["lowbit_policy"])["mode"] == "int4_mixed"
+    assert json.loads(metadata["lowbit_plan"])["layers"]["w4a4"] > 0
+    assert "prompt" not in metadata
+    with_workflow = checkpoint_metadata(quantized, {"prompt": "{}"})
+    assert with_workflow["prompt"] == "{}" and "lowbit_policy" in with_workflow
+    assert checkpoint_metadata(float_model, {"prompt": "{}"}) == {"prompt": "{}"}
