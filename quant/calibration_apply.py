@@ -13,20 +13,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 
 from .calibration_measure import takes_input_scale
-from .checkpoint import CheckpointWriter, lowbit_metadata, open_checkpoint
-from .convert import ConversionReport, _header_reserve, _refuse_quantized, _release_freed_memory, _warn_lossy_sources
-from .errors import LowBitError, PolicyError
+from .checkpoint import open_checkpoint
+from .convert import ConversionReport, convert_file
+from .errors import PolicyError
 from .policy import Policy
 from .presets import model_prefix
-from .quantize import quantize_layer
-from .safetensors_file import check_output_path
 
 log = logging.getLogger(__name__)
 
@@ -48,45 +44,19 @@ def convert_calibrated(src: str | os.PathLike, dst: str | os.PathLike, policy: P
                        progress: Callable[[int, int], None] | None = None) -> ConversionReport:
     """Quantize ``src`` under ``policy`` into ``dst``, adding ``input_scales`` (layer names relative to the
     diffusion model, as in the policy) to the FP8 layers the plan quantizes."""
-    started = time.perf_counter()
-    src, dst = Path(src), Path(dst)
-    with open_checkpoint(src) as reader:
-        check_output_path(dst, overwrite=overwrite, protect=(src,))
-        _refuse_quantized(reader)
-        plan = policy.plan(dict(sorted(reader.shapes().items())))
-        chosen = {d.name: d.format for d in plan.quantized}
-        prefix = model_prefix(reader.shapes())
-        scales = _scales_for(chosen, input_scales or {}, prefix)
-        _warn_lossy_sources(reader, chosen)
-        metadata = lowbit_metadata(reader.metadata, policy, plan)
-        if calibration_summary is not None:
-            metadata[LOWBIT_CALIBRATION_KEY] = json.dumps(dict(calibration_summary), sort_keys=True)
-        reserve = _header_reserve(reader, chosen, metadata)
-        total = len(reader.tensors)
-        try:
-            with CheckpointWriter(dst, metadata=metadata, overwrite=overwrite, protect=(src,),
-                                  header_reserve=reserve) as writer:
-                for done, key in enumerate(reader.tensors, start=1):
-                    layer = key[: -len(".weight")] if key.endswith(".weight") else None
-                    fmt = chosen.get(layer) if layer is not None else None
-                    tensor = reader.read(key)
-                    if fmt is None:
-                        writer.add(key, tensor)
-                    else:
-                        if tensor.is_floating_point() and (device is None or tensor.element_size() == 1):
-                            tensor = tensor.float()
-                        writer.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device))
-                        if layer in scales:
-                            writer.update(input_scale_entry(layer, scales[layer]))
-                    del tensor
-                    _release_freed_memory()
-                    if progress is not None:
-                        progress(done, total)
-        except LowBitError as err:
-            raise type(err)(f"{err} [converting {src}; nothing was written to {dst}]") from err
-    return ConversionReport(source=src, output=dst, plan=plan, layer_counts=plan.counts(),
-                            bytes_in=src.stat().st_size, bytes_out=dst.stat().st_size,
-                            seconds=time.perf_counter() - started)
+    with open_checkpoint(src) as reader:  # header only: the same plan convert_file makes
+        shapes = dict(sorted(reader.shapes().items()))
+    chosen = {d.name: d.format for d in policy.plan(shapes).quantized}
+    scales = _scales_for(chosen, input_scales or {}, model_prefix(shapes))
+    extra = None
+    if calibration_summary is not None:
+        extra = {LOWBIT_CALIBRATION_KEY: json.dumps(dict(calibration_summary), sort_keys=True)}
+
+    def entries(layer: str, fmt: str) -> dict[str, torch.Tensor]:
+        return input_scale_entry(layer, scales[layer]) if layer in scales else {}
+
+    return convert_file(src, dst, policy, compute_dtype=compute_dtype, device=device, overwrite=overwrite,
+                        progress=progress, extra_entries=entries, extra_metadata=extra)
 
 
 def _scales_for(chosen: Mapping[str, str], input_scales: Mapping[str, float], prefix: str) -> dict[str, float]:

@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -57,8 +57,13 @@ class ConversionReport:
 def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy, *,
                  compute_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                  overwrite: bool = False,
-                 progress: Callable[[int, int], None] | None = None) -> ConversionReport:
+                 progress: Callable[[int, int], None] | None = None,
+                 extra_entries: Callable[[str, str], Mapping[str, torch.Tensor]] | None = None,
+                 extra_metadata: Mapping[str, str] | None = None) -> ConversionReport:
     """Quantize the float checkpoint ``src`` under ``policy`` into a new native checkpoint ``dst``.
+
+    ``extra_entries(layer, format)`` may add tensors next to each quantized layer (a calibrated
+    ``<layer>.input_scale``, say); ``extra_metadata`` adds header keys.
 
     ``progress(done, total)`` is called after each source tensor (``total`` = tensors in ``src``).
     The source's header metadata is carried over, plus ``lowbit_version``, ``lowbit_policy`` and
@@ -76,6 +81,7 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
         chosen = {d.name: d.format for d in plan.quantized}
         _warn_lossy_sources(reader, chosen)
         metadata = lowbit_metadata(reader.metadata, policy, plan)
+        metadata.update(extra_metadata or {})
         reserve = _header_reserve(reader, chosen, metadata)
         total = len(reader.tensors)
         try:
@@ -93,6 +99,8 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
                             # before the fp32 temporaries exist (and because torch has no isfinite for fp8)
                             tensor = tensor.float()
                         writer.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device))
+                        if extra_entries is not None:
+                            writer.update(extra_entries(layer, fmt))
                     del tensor
                     _release_freed_memory()
                     if progress is not None:
