@@ -249,18 +249,18 @@ def test_ksampler_compiles_at_the_first_sampling_call(quantized):
     assert graphs() == before
 
 
-def test_recompile_limit_is_raised_never_lowered(monkeypatch):
+def test_recompile_limit_is_raised_never_lowered():
     from lowbit.nodes.compile import raise_recompile_limits
 
     config = torch._dynamo.config
-    monkeypatch.setattr(config, "recompile_limit", 8)
-    monkeypatch.setattr(config, "accumulated_recompile_limit", 256)
-    raise_recompile_limits(32)
-    assert (config.recompile_limit, config.accumulated_recompile_limit) == (32, 256)
-    raise_recompile_limits(16)
-    assert config.recompile_limit == 32
-    raise_recompile_limits(64)
-    assert (config.recompile_limit, config.accumulated_recompile_limit) == (64, 512)
+    # config.patch restores both values on exit (monkeypatch's restore leaves torch's config module broken)
+    with config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        raise_recompile_limits(32)
+        assert (config.recompile_limit, config.accumulated_recompile_limit) == (32, 256)
+        raise_recompile_limits(16)
+        assert config.recompile_limit == 32
+        raise_recompile_limits(64)
+        assert (config.recompile_limit, config.accumulated_recompile_limit) == (64, 512)
 
 
 class _DynamicPatcher:
