@@ -16,7 +16,6 @@ unexpected error; 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import json
 import logging
@@ -186,28 +185,9 @@ def _lowbit_plan(raw: str | None) -> str:
 
 def layer_bytes(fmt: str, shape: tuple[int, ...]) -> int:
     """Exact bytes that a ``[N, K]`` weight takes in format ``fmt``: tensors plus its ``comfy_quant``."""
-    n, k = shape
-    fixed, per_row = _bytes_per_row(fmt, k)
-    return fixed + per_row * n
+    from .quant.native import layer_bytes as stored
 
-
-@functools.lru_cache(maxsize=None)
-def _bytes_per_row(fmt: str, in_features: int) -> tuple[int, int]:
-    """Stored bytes are affine in the row count (per-row data plus fixed parts); measure two row counts."""
-    import torch
-
-    from .quant.formats import get_format
-    from .quant.native import layer_tensors
-
-    codec = get_format(fmt)
-    rows = 16 * codec.spec.out_features_multiple
-    generator = torch.Generator().manual_seed(0)
-    sizes = []
-    for n in (rows, 2 * rows):
-        qt = codec.quantize(torch.randn(n, in_features, generator=generator))
-        sizes.append(sum(t.numel() * t.element_size() for t in layer_tensors(codec, "layer", qt).values()))
-    per_row = (sizes[1] - sizes[0]) // rows
-    return sizes[0] - per_row * rows, per_row
+    return stored(fmt, shape)
 
 
 def _add(groups: dict[str, list[int]], fmt: str, params: int, before: int, after: int) -> None:

@@ -33,7 +33,6 @@ Nothing here imports ComfyUI.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -43,7 +42,7 @@ import torch
 from .calibration_samples import ActivationSample
 from .errors import LowBitError
 from .formats import fallback_chain, get_format
-from .native import layer_tensors
+from .native import layer_bytes, layer_tensors
 
 FLOAT = "float"
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -104,22 +103,7 @@ def stored_bytes(fmt: str, shape: tuple[int, int], *, float_itemsize: int = 2) -
     n, k = (int(d) for d in shape)
     if fmt == FLOAT:
         return n * k * float_itemsize
-    fixed, per_row = _bytes_per_row(fmt, k)
-    return fixed + per_row * n + (4 if takes_input_scale(fmt) else 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _bytes_per_row(fmt: str, in_features: int) -> tuple[int, int]:
-    """Stored bytes are affine in the row count (per-row data plus fixed parts): measure two row counts."""
-    codec = get_format(fmt)
-    rows = 16 * codec.spec.out_features_multiple
-    generator = torch.Generator().manual_seed(0)
-    sizes = []
-    for n in (rows, 2 * rows):
-        qt = codec.quantize(torch.randn(n, in_features, generator=generator), compute_dtype=torch.bfloat16)
-        sizes.append(sum(t.numel() * t.element_size() for t in layer_tensors(codec, "layer", qt).values()))
-    per_row = (sizes[1] - sizes[0]) // rows
-    return sizes[0] - per_row * rows, per_row
+    return layer_bytes(fmt, (n, k)) + (4 if takes_input_scale(fmt) else 0)
 
 
 def resolve_candidates(candidates: tuple[str, ...], shape: tuple[int, int]) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ For a quantized layer ``<layer>``: ``<layer>.comfy_quant`` is a uint8 tensor hol
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Mapping
 
@@ -53,3 +54,26 @@ def load_layer(layer: str, entries: Mapping[str, torch.Tensor], conf: Mapping,
     except ValueError as err:
         raise CheckpointFormatError(f"layer {layer!r}: {err}") from None
     return codec, codec.from_state_dict(layer, entries, conf, compute_dtype)
+
+
+def layer_bytes(fmt: str, shape: tuple[int, ...]) -> int:
+    """Exact bytes a ``[N, K]`` weight takes stored in format ``fmt``: its tensors plus its ``comfy_quant``."""
+    n, k = (int(d) for d in shape)
+    fixed, per_row = _bytes_per_row(fmt, k)
+    return fixed + per_row * n
+
+
+@functools.lru_cache(maxsize=None)
+def _bytes_per_row(fmt: str, in_features: int) -> tuple[int, int]:
+    """Stored bytes are affine in the row count (per-row data plus fixed parts): measure two row counts."""
+    from .formats import get_format
+
+    codec = get_format(fmt)
+    rows = 16 * codec.spec.out_features_multiple
+    generator = torch.Generator().manual_seed(0)
+    sizes = []
+    for n in (rows, 2 * rows):
+        qt = codec.quantize(torch.randn(n, in_features, generator=generator), compute_dtype=torch.bfloat16)
+        sizes.append(sum(t.numel() * t.element_size() for t in layer_tensors(codec, "layer", qt).values()))
+    per_row = (sizes[1] - sizes[0]) // rows
+    return sizes[0] - per_row * rows, per_row
