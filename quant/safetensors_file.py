@@ -13,7 +13,9 @@ converter streaming a 20 GB file stays at a few tensors of RSS.
 :class:`SafetensorsWriter` takes tensors one at a time and writes them straight to a temp file in
 the destination directory (leaving room for the header, which is written last), then fsyncs it and
 moves it into place; it never replaces an existing file unless asked to and removes its temp file
-on any error. Nothing here knows about quantization.
+on any error. It starts the tensor data at a 64-byte file offset and writes tensors whose size is not
+a multiple of 64 bytes last, so every other tensor of a memory-mapped file is 64-byte aligned, like
+freshly allocated memory (see ``_DATA_ALIGN``). Nothing here knows about quantization.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.ite
 MAX_HEADER_BYTES = 100_000_000  # what the safetensors library accepts
 METADATA_KEY = "__metadata__"
 _ALIGN = 8  # keep every tensor's offset a multiple of its element size
+#: the writer starts the tensor data, and every tensor whose size is a multiple of this, at a multiple of
+#: 64 bytes in the file: the alignment PyTorch's CPU allocator gives. A reader that maps the file (stock
+#: ComfyUI's loader on the CPU) computes with views into it, and CPU matmul kernels round differently on
+#: operands off that alignment, so an 8-aligned float weight sampled other last bits than the same weight
+#: in freshly allocated memory (a model quantized in memory vs the file saved from it).
+_DATA_ALIGN = 64
 _DEFER_LIMIT = 64 << 20  # bytes of odd-sized tensors held back to the end to keep that alignment
 _COPY_CHUNK = 16 << 20
 
@@ -309,7 +317,7 @@ class SafetensorsWriter:
         self.metadata = check_metadata(metadata)
         self.overwrite = overwrite
         check_output_path(self.path, overwrite=overwrite, protect=protect)
-        self._reserve = _round_up(max(int(header_reserve), 0), _ALIGN)
+        self._reserve = _header_room(max(int(header_reserve), 0))
         self._entries: dict[str, dict] = {}
         self._keys: set[str] = set()
         self._deferred: list[tuple[str, torch.Tensor]] = []
@@ -344,7 +352,7 @@ class SafetensorsWriter:
         self._keys.add(key)
         tensor = tensor.detach().to("cpu").contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes % _ALIGN and self._deferred_bytes + nbytes <= _DEFER_LIMIT:
+        if nbytes % _DATA_ALIGN and self._deferred_bytes + nbytes <= _DEFER_LIMIT:
             # an odd size would shift every later tensor off its alignment: write it at the end
             self._deferred.append((key, tensor.clone()))
             self._deferred_bytes += nbytes
@@ -397,7 +405,7 @@ class SafetensorsWriter:
         fd, new_tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         old_tmp, self._tmp = self._tmp, Path(new_tmp)
         try:
-            padded = header.ljust(_round_up(len(header), _ALIGN), b" ")
+            padded = header.ljust(_header_room(len(header)), b" ")
             with os.fdopen(fd, "wb") as out, open(old_tmp, "rb") as src:
                 out.write(struct.pack("<Q", len(padded)) + padded)
                 src.seek(8 + self._reserve)
@@ -500,3 +508,9 @@ def _fsync_dir(folder: Path) -> None:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _header_room(header_bytes: int) -> int:
+    """The padded header length (at least ``header_bytes``) that starts the data at a multiple of
+    ``_DATA_ALIGN`` bytes in the file (the header follows the 8-byte length)."""
+    return _round_up(8 + header_bytes, _DATA_ALIGN) - 8

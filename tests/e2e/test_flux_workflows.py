@@ -122,10 +122,12 @@ def _digest(result, node) -> dict:
 def test_saved_model_loads_in_stock_unet_loader_with_identical_latents(comfy_server, flux):
     """(c) Quantize -> Save Quantized Model; stock UNETLoader loads the file and samples the same latents.
 
-    The saved file holds exactly the in-memory weights, and stock ComfyUI and LowBit's loader sample
-    it bit-identically. The in-memory model itself differs from a loaded one only in the float
-    layers' ComfyUI op classes (plain vs manual-cast ops), which round the last float bit differently
-    (output relative difference ~1e-7); INT8 activation rounding amplifies that to ~50 dB latent SQNR.
+    The saved file holds exactly the in-memory weights, and the in-memory model, stock ComfyUI and
+    LowBit's loader all sample bit-identical latents. On the CPU stock ComfyUI computes with views
+    into the memory-mapped file, so this holds only because the writer puts tensor data at 64-byte
+    file offsets (the CPU allocator's alignment): a single-token matmul on an 8-aligned float weight
+    rounds differently (~1e-7 relative), which INT8 activation rounding amplified to a latent SQNR of
+    135.6 dB on this model (about 53 dB in earlier runs) instead of bit equality.
     """
     g = wf.Graph()
     model = wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot")
@@ -152,14 +154,15 @@ def test_saved_model_loads_in_stock_unet_loader_with_identical_latents(comfy_ser
 
     memory, disk = _digest(result, memory_digest), _digest(result2, disk_digest)
     assert memory["weights"] == disk["weights"], "the file does not hold the in-memory weights"
-    forward_memory, forward_disk = torch.tensor(memory["forward"]), torch.tensor(disk["forward"])
-    assert sqnr_db(forward_memory, forward_disk) > 120.0  # float rounding only
-
     disk_latent = saved_latent(comfy_server, result2, from_disk.id)
     assert torch.equal(disk_latent, saved_latent(comfy_server, result2, lowbit.id)), \
         "stock UNETLoader and LowBit's loader sample the saved file differently"
     memory_latent = saved_latent(comfy_server, result, in_memory.id)
-    assert sqnr_db(memory_latent, disk_latent) > 45.0
+    assert torch.equal(memory_latent, disk_latent), \
+        f"in-memory and reloaded latents differ: {sqnr_db(memory_latent, disk_latent):.1f} dB"
+    forward_memory, forward_disk = torch.tensor(memory["forward"]), torch.tensor(disk["forward"])
+    assert torch.equal(forward_memory, forward_disk), \
+        f"in-memory and reloaded forward differ: {sqnr_db(forward_memory, forward_disk):.1f} dB"
 
     # saving again never overwrites: the counter moves on
     second = saved_model_path(comfy_server, comfy_server.run_ok(g.api()), save.id)
