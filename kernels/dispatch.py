@@ -13,6 +13,17 @@ Without CUDA (CPU, or the Triton interpreter), while a CUDA graph is being captu
 (the callers list a safe default first).
 
 ``force_backend`` (``kernels/backend.py``) narrows the candidates to one backend, for tests.
+
+Steady state: once a call has been dispatched, the linear registers a *fast plan* for its
+(format, pre-processing, M bucket, shapes, dtypes, device) in ``Dispatcher.fast_plans``; the next
+identical call runs it through :func:`run_fast` without building candidate lists or key strings
+(two Triton launches for the Triton decisions). Fast plans are used only with ``Backend.AUTO`` and
+outside ``torch.compile`` tracing, and are dropped whenever the dispatcher changes a decision (code
+that edits ``decisions`` by hand calls :meth:`Dispatcher.forget_fast_plans`).
+
+A candidate that fails because the GPU cannot run its configuration at all (Triton's
+``OutOfResources``: too much shared memory) is recorded per GPU capability in ``broken`` (and the
+JSON cache), and is not offered again on that GPU for any shape.
 """
 
 from __future__ import annotations
@@ -37,14 +48,18 @@ log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_RESOURCE_ERRORS = ("OutOfResources", "out of resource")  # the configuration can never run on this GPU
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def m_bucket(m: int) -> int:
-    """Rows are bucketed to the next power of two (16 … 16384; larger M share the last bucket)."""
-    for bucket in M_BUCKETS:
-        if m <= bucket:
-            return bucket
-    return M_BUCKETS[-1] * 2
+    """Rows are bucketed to the next power of two (16 … 16384; larger M share one more bucket)."""
+    if m <= M_BUCKETS[0]:
+        return M_BUCKETS[0]
+    if m > M_BUCKETS[-1]:
+        return M_BUCKETS[-1] * 2
+    return 1 << (m - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,16 @@ class DispatchKey:
 
     def as_str(self) -> str:
         return f"{self.fmt}|sm{self.capability[0]}{self.capability[1]}|m{self.m_bucket}|n{self.n}|k{self.k}"
+
+
+def _cap_name(cap: tuple[int, int]) -> str:
+    return f"sm{cap[0]}{cap[1]}"
+
+
+def _family(fmt: str) -> str:
+    """The kernel family of a dispatch format (``"int8+regular256"`` → ``"int8"``, ``"w4a4/a8"`` → ``"w4a4"``):
+    a configuration too large for the GPU is too large for every variant of the family."""
+    return fmt.split("+", 1)[0].split("/", 1)[0]
 
 
 def backend_of(candidate: str) -> Backend:
@@ -75,12 +100,26 @@ class Dispatcher:
     decisions: dict[str, str] = field(default_factory=dict)
     timings_us: dict[str, dict[str, float]] = field(default_factory=dict)
     failures: dict[str, dict[str, str]] = field(default_factory=dict)
+    # "sm90" -> {"int8 triton:<config>": error}: what this GPU can never run (not offered again)
+    broken: dict[str, dict[str, str]] = field(default_factory=dict)
+    fast: bool = True  # register steady-state plans (off: every call takes the full path; for comparisons)
+    fast_plans: dict[tuple, Callable] = field(default_factory=dict, repr=False)
+    fast_hits: int = field(default=0, repr=False)
 
     def __post_init__(self):
         self._lock = threading.Lock()
         if self.cache_path is not None:
             self.cache_path = Path(self.cache_path).expanduser()
             self._load()
+
+    def forget_fast_plans(self) -> None:
+        """Drop every cached steady-state plan (after a decision changed)."""
+        self.fast_plans.clear()
+
+    def is_broken(self, key: DispatchKey, candidate: str) -> bool:
+        """Whether ``candidate`` of ``key``'s format failed for lack of GPU resources on this capability."""
+        entries = self.broken.get(_cap_name(key.capability))
+        return bool(entries) and f"{_family(key.fmt)} {candidate}" in entries
 
     # ---- persistence ------------------------------------------------------------------------
     def _load(self) -> None:
@@ -97,12 +136,17 @@ class Dispatcher:
             return
         self.decisions.update({str(k): str(v) for k, v in data.get("decisions", {}).items()})
         self.timings_us.update(data.get("timings_us", {}))
+        for cap, entries in data.get("broken", {}).items():  # absent in files written before it existed
+            if isinstance(entries, dict):
+                self.broken.setdefault(str(cap), {}).update({str(k): str(v) for k, v in entries.items()})
+        self.forget_fast_plans()
 
     def save(self) -> None:
         """Write the decisions (atomically) to ``cache_path``; a no-op without a path."""
         if self.cache_path is None:
             return
-        data = {"version": CACHE_VERSION, "decisions": self.decisions, "timings_us": self.timings_us}
+        data = {"version": CACHE_VERSION, "decisions": self.decisions, "timings_us": self.timings_us,
+                "broken": self.broken}
         path = Path(self.cache_path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +160,7 @@ class Dispatcher:
     def choose(self, key: DispatchKey, candidates: Mapping[str, Callable[[], torch.Tensor]],
                device: torch.device) -> str:
         """The candidate to run for ``key``: cached, measured now, or the first offered."""
-        names = list(candidates)
+        names = [name for name in candidates if not self.is_broken(key, name)] or list(candidates)
         if not names:
             raise BackendUnavailableError(f"no implementation can run {key.as_str()}")
         text = key.as_str()
@@ -133,9 +177,13 @@ class Dispatcher:
                 except Exception as err:  # a candidate that cannot run here is not a user error
                     failures[name] = f"{type(err).__name__}: {err}"[:300]
                     log.info("LowBit kernel candidate %s failed for %s: %s", name, text, failures[name])
+                    if any(marker in failures[name] for marker in _RESOURCE_ERRORS):
+                        self.broken.setdefault(_cap_name(key.capability), {})[f"{_family(key.fmt)} {name}"] = failures[name]
             if not timings:
                 raise BackendUnavailableError(f"every implementation failed for {text}: {failures}")
             best = min(timings, key=timings.get)
+            if text in self.decisions:  # a changed decision: plans built on the old one must go
+                self.forget_fast_plans()
             self.decisions[text] = best
             self.timings_us[text] = {k: round(v, 2) for k, v in timings.items()}
             if failures:
@@ -206,14 +254,37 @@ def use_dispatcher(dispatcher: Dispatcher):
         _current.pop()
 
 
+def run_fast(fast_key: tuple, *args) -> torch.Tensor | None:
+    """Run the steady-state plan registered for ``fast_key`` with ``args``; ``None`` when there is
+    none (a forced backend, ``torch.compile`` tracing, a first call, or a plan that just failed and
+    was dropped): the caller then takes the full path of :func:`run`."""
+    if active_backend() is not Backend.AUTO or _is_compiling():
+        return None
+    dispatcher = _current[-1] if _current else _default
+    plan = dispatcher.fast_plans.get(fast_key)
+    if plan is None:
+        return None
+    try:
+        out = plan(*args)
+    except Exception as err:  # the full path decides again (and raises the user-facing error, if any)
+        dispatcher.fast_plans.pop(fast_key, None)
+        log.info("LowBit fast kernel plan %s failed (%s: %s); taking the full path", fast_key[0], type(err).__name__, err)
+        return None
+    dispatcher.fast_hits += 1
+    return out
+
+
 def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
-        make: Callable[[str], Callable[[], torch.Tensor]], reasons: Callable[[], Mapping[str, str]]) -> torch.Tensor:
+        make: Callable[[str], Callable[[], torch.Tensor]], reasons: Callable[[], Mapping[str, str]],
+        fast_key: tuple | None = None, make_fast: Callable[[str], Callable | None] | None = None) -> torch.Tensor:
     """Run the chosen implementation of a linear of ``x2d`` ``[M, K]`` → ``[M, n]``.
 
     ``names()`` lists the candidates that can run here, in default order (the first is used when
     nothing is measured); ``make(name)`` builds the zero-argument call of one; ``reasons()`` says
-    why absent backends were left out (for the error when a forced backend cannot run). A cached
-    decision skips building the list: the steady-state cost is one key and one dict lookup.
+    why absent backends were left out (for the error when a forced backend cannot run).
+    ``make_fast(name)``, when given, builds the steady-state plan of the chosen candidate, which is
+    registered under ``fast_key`` for :func:`run_fast` once the choice is settled (a recorded
+    decision, or a device on which nothing is measured).
     """
     forced = active_backend()
     key = DispatchKey(key_fmt, capability(x2d.device), m_bucket(x2d.shape[0]), n, x2d.shape[1])
@@ -222,11 +293,15 @@ def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
         cached = dispatcher.decisions.get(key.as_str())
         if cached is not None:
             try:
-                return make(cached)()
+                out = make(cached)()
             except Exception as err:  # e.g. a cache written on another install; measure again
                 log.warning("LowBit cached kernel choice %s for %s failed (%s); choosing again",
                             cached, key.as_str(), err)
                 dispatcher.decisions.pop(key.as_str(), None)
+                dispatcher.forget_fast_plans()
+            else:
+                _register_fast(dispatcher, key, x2d.device, fast_key, make_fast, cached)
+                return out
     available = names()
     if forced is not Backend.AUTO:
         available = [name for name in available if backend_of(name) is forced]
@@ -236,11 +311,27 @@ def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
         if len(available) == 1 or not dispatcher._can_measure(x2d.device):
             return make(available[0])()
         return make(_choose_uncached(dispatcher, key, available, make, x2d.device))()
-    return make(dispatcher.choose(key, {name: make(name) for name in available}, x2d.device))()
+    name = dispatcher.choose(key, {name: make(name) for name in available}, x2d.device)
+    out = make(name)()
+    _register_fast(dispatcher, key, x2d.device, fast_key, make_fast, name)
+    return out
+
+
+def _register_fast(dispatcher: Dispatcher, key: DispatchKey, device: torch.device, fast_key: tuple | None,
+                   make_fast: Callable[[str], Callable | None] | None, name: str) -> None:
+    if fast_key is None or make_fast is None or not dispatcher.fast or _is_compiling():
+        return
+    settled = key.as_str() in dispatcher.decisions or not (dispatcher.measure and device.type == "cuda")
+    if not settled:  # e.g. the first candidate ran unmeasured inside a CUDA-graph capture
+        return
+    plan = make_fast(name)
+    if plan is not None:
+        dispatcher.fast_plans[fast_key] = plan
 
 
 def _choose_uncached(dispatcher: Dispatcher, key: DispatchKey, available: list[str],
                      make: Callable[[str], Callable[[], torch.Tensor]], device: torch.device) -> str:
     """Measure a forced backend's variants without recording them as the format's decision."""
-    probe = Dispatcher(measure=dispatcher.measure, warmup=dispatcher.warmup, repeats=dispatcher.repeats)
+    probe = Dispatcher(measure=dispatcher.measure, warmup=dispatcher.warmup, repeats=dispatcher.repeats,
+                       broken=dispatcher.broken)
     return probe.choose(key, {name: make(name) for name in available}, device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .reference import FP8, FP8_MAX
-from .w8a8_linear import Preprocess, w8a8_linear
+from .w8a8_linear import w8a8_linear_fast
 
 __all__ = ["FP8", "FP8_MAX", "quantize_fp8_rowwise", "fp8_rowwise_linear"]
 
@@ -36,6 +36,8 @@ def fp8_rowwise_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     ``group_size`` as in :func:`lowbit.kernels.int8_gemm.int8_linear` (default: none).
     """
     out_dtype = out_dtype or x.dtype
-    x2d = x.reshape(-1, x.shape[-1])
-    out = w8a8_linear(x2d, weight, weight_scale, bias, out_dtype, Preprocess(rotation, group_size), "fp8_rowwise")
+    if x.dim() == 2:
+        return w8a8_linear_fast("fp8_rowwise", x, weight, weight_scale, bias, out_dtype, rotation, group_size)
+    out = w8a8_linear_fast("fp8_rowwise", x.reshape(-1, x.shape[-1]), weight, weight_scale, bias, out_dtype,
+                           rotation, group_size)
     return out.reshape(*x.shape[:-1], weight.shape[0])

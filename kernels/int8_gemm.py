@@ -13,7 +13,7 @@ import torch
 
 import comfy_kitchen as ck
 
-from .w8a8_linear import Preprocess, w8a8_linear
+from .w8a8_linear import w8a8_linear_fast
 
 
 def quantize_int8_rowwise(x: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     back (HadaNorm).
     """
     out_dtype = out_dtype or x.dtype
-    pre = Preprocess(rotation, group_size, smooth, center_rowsum)
-    x2d = x.reshape(-1, x.shape[-1])
-    out = w8a8_linear(x2d, weight, weight_scale, bias, out_dtype, pre, "int8")
+    if x.dim() == 2:
+        return w8a8_linear_fast("int8", x, weight, weight_scale, bias, out_dtype, rotation, group_size, smooth,
+                                center_rowsum)
+    out = w8a8_linear_fast("int8", x.reshape(-1, x.shape[-1]), weight, weight_scale, bias, out_dtype, rotation,
+                           group_size, smooth, center_rowsum)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .hadamard import hadamard_matrix
+from .launcher import TritonLauncher
 from .reference import FP8
 
 MAX_BLOCK_K = 32768  # rows wider than this use the eager reference
@@ -178,17 +179,27 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
         raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features (INT8 codes only)")
     q = torch.empty((m, k), dtype=out_dtype, device=x.device) if out is None else out
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    mean = torch.empty((m, 1 if center else 0), dtype=torch.float32, device=x.device)
+    mean = torch.empty((m, 1), dtype=torch.float32, device=x.device) if center else _no_mean(x.device, m)
     if rotate:
         pmat, qmat, norm, two_stage = _rotation_factors(rotation, group_size, x.device)
     else:
         pmat = qmat = scale  # unused pointers
         norm, two_stage = 1.0, False
-    _act_quant_kernel[(programs,)](
-        x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat,
-        m, k, x.stride(0), q.stride(0), float(qmax), float(norm),
-        BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
-        TWO_STAGE=two_stage, OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block, num_warps=num_warps,
+    _LAUNCHER.launch(
+        (programs,),
+        (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat,
+         m, k, x.stride(0), q.stride(0), float(qmax), float(norm)),
+        dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
+             TWO_STAGE=two_stage, OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block),
+        num_warps=num_warps,
     )
     return q, scale, mean
 
+
+_LAUNCHER = TritonLauncher(_act_quant_kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _no_mean(device: torch.device, m: int) -> torch.Tensor:
+    """The ``[m, 0]`` mean of an uncentred call (no data: cached instead of allocated per call)."""
+    return torch.empty((m, 0), dtype=torch.float32, device=device)

@@ -32,7 +32,9 @@ import triton.language as tl
 
 from .backend import interpreting
 from .gemm_config import GemmConfig
+from .launcher import TritonLauncher
 from .triton_w8a8_gemm import _epilogue, _tile_ids
+
 
 @triton.jit
 def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
@@ -123,13 +125,21 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
         return out
     codebook = s_rel is not None
     grid = (-(-m // config.block_m) * -(-n // config.block_n),)
-    _w4a8_mm_kernel[grid](
-        a, packed, out, a_scale, w_scale, bias if bias is not None else a_scale,
-        s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
-        m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0),
-        CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=bias is not None,
-        USE_PTX=not interpreting() and a.is_cuda, SWAP_AB=config.swap_ab,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+    _LAUNCHER.launch(
+        grid,
+        (a, packed, out, a_scale, w_scale, bias if bias is not None else a_scale,
+         s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
+         m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0)),
+        dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=bias is not None,
+             USE_PTX=_use_ptx(a), SWAP_AB=config.swap_ab, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+             BLOCK_K=config.block_k, GROUP_M=config.group_m),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+_LAUNCHER = TritonLauncher(_w4a8_mm_kernel)
+
+
+def _use_ptx(a: torch.Tensor) -> bool:
+    return a.is_cuda and not interpreting()

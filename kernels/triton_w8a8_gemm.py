@@ -16,13 +16,14 @@ and never stored, so interior tiles need no load masks; a ragged K uses masked l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-import functools
-
 from .gemm_config import GemmConfig
+from .launcher import TritonLauncher, tma_descriptor
 
 
 @functools.lru_cache(maxsize=8)
@@ -188,26 +189,28 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     if m == 0 or n == 0:
         return out
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    grid = (tiles,)
-    epilogue_args = (bias if bias is not None else a_scale, row_shift if row_shift is not None else a_scale,
-                     col_shift if col_shift is not None else a_scale)
+    args = (bias if bias is not None else a_scale, row_shift if row_shift is not None else a_scale,
+            col_shift if col_shift is not None else a_scale, m, n, k)
     flags = dict(B_SCALE_PER_N=b_scale.numel() != 1, HAS_BIAS=bias is not None, HAS_SHIFT=row_shift is not None,
-                 ACC_INT32=a.dtype == torch.int8, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps,
-                 num_stages=config.num_stages)
+                 ACC_INT32=a.dtype == torch.int8)
+    tiles_flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
-        b_desc = TensorDescriptor.from_tensor(b, [config.block_n, config.block_k])
+        a_desc = tma_descriptor(a, (config.block_m, config.block_k))
+        b_desc = tma_descriptor(b, (config.block_n, config.block_k))
         if config.persistent:
             programs = min(tiles, _sm_count(a.device))
-            _w8a8_mm_persistent_kernel[(programs,)](a_desc, b_desc, out, a_scale, b_scale, *epilogue_args, m, n, k,
-                                                    out.stride(0), NUM_PROGRAMS=programs, **flags)
+            _PERSISTENT.launch((programs,), (a_desc, b_desc, out, a_scale, b_scale, *args, out.stride(0)),
+                               dict(**flags, NUM_PROGRAMS=programs, **tiles_flags), **options)
         else:
-            _w8a8_mm_tma_kernel[grid](a_desc, b_desc, out, a_scale, b_scale, *epilogue_args, m, n, k, out.stride(0),
-                                      WARP_SPECIALIZE=config.warp_specialize, **flags)
+            _TMA.launch((tiles,), (a_desc, b_desc, out, a_scale, b_scale, *args, out.stride(0)),
+                        dict(**flags, WARP_SPECIALIZE=config.warp_specialize, **tiles_flags), **options)
     else:
-        _w8a8_mm_kernel[grid](a, b, out, a_scale, b_scale, *epilogue_args, m, n, k, a.stride(0), b.stride(0),
-                              out.stride(0), EVEN_K=k % config.block_k == 0, **flags)
+        _POINTER.launch((tiles,), (a, b, out, a_scale, b_scale, *args, a.stride(0), b.stride(0), out.stride(0)),
+                        dict(**flags, EVEN_K=k % config.block_k == 0, **tiles_flags), **options)
     return out
+
+
+_POINTER = TritonLauncher(_w8a8_mm_kernel)
+_TMA = TritonLauncher(_w8a8_mm_tma_kernel)
+_PERSISTENT = TritonLauncher(_w8a8_mm_persistent_kernel)

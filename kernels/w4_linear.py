@@ -11,6 +11,8 @@ decodes it in registers (``kernels/triton_w4_gemm.py``):
   fp32 channel scale, ConvRot-256 rotation, INT8 activations.
 
 Candidates: ``triton:<config>``, ``kitchen`` (comfy-kitchen's linear), ``dequant`` and ``eager``.
+After the first call of a shape, the dispatcher's settled choice runs as a cached plan
+(``dispatch.run_fast``): for a Triton decision, the act-quant kernel and the W4 GEMM alone.
 """
 
 from __future__ import annotations
@@ -51,11 +53,16 @@ def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscales: torch.Tensor, b
     if act_bits not in (4, 8):
         raise ValueError(f"w4a4 act_bits must be 4 or 8, got {act_bits}")
     out_dtype = out_dtype or x.dtype
-    x2d, n = _check(x, qweight, convrot_groupsize, "w4a4")
-    plan = _W4Plan(x2d, qweight, wscales.reshape(-1).float(), bias, out_dtype, convrot_groupsize,
-                   qmax=INT4_MAX if act_bits == 4 else INT8_MAX)
-    out = dispatch.run(f"w4a4/a{act_bits}", x2d, n, plan.names, plan.make, plan.reasons)
-    return out.reshape(*x.shape[:-1], n)
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    fmt = "w4a4/a4" if act_bits == 4 else "w4a4/a8"
+    key = _fast_key(fmt, x2d, qweight, wscales, bias, out_dtype, convrot_groupsize, None, None, None, 0)
+    out = dispatch.run_fast(key, x2d, qweight, wscales, bias, None, None, None)
+    if out is None:
+        x2d, n = _check(x, qweight, convrot_groupsize, "w4a4")
+        plan = _W4Plan(x2d, qweight, wscales.reshape(-1).float(), bias, out_dtype, convrot_groupsize,
+                       qmax=INT4_MAX if act_bits == 4 else INT8_MAX)
+        out = dispatch.run(fmt, x2d, n, plan.names, plan.make, plan.reasons, key, plan.make_fast)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], qweight.shape[0])
 
 
 def w4a8_linear(x: torch.Tensor, qdata: torch.Tensor, s_rel: torch.Tensor, s_channel: torch.Tensor,
@@ -64,14 +71,27 @@ def w4a8_linear(x: torch.Tensor, qdata: torch.Tensor, s_rel: torch.Tensor, s_cha
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for an ``asym_w4a8_int8`` weight, arguments as comfy-kitchen's ``w4a8_int8_linear``."""
     out_dtype = out_dtype or x.dtype
-    x2d, n = _check(x, qdata, convrot_groupsize, "w4a8")
-    if s_rel.shape != (n, 2 * qdata.shape[1] // group_size):
-        raise ValueError(f"w4a8: s_rel must be [{n}, {2 * qdata.shape[1] // group_size}] for group_size "
-                         f"{group_size}, found {tuple(s_rel.shape)}")
-    plan = _W4Plan(x2d, qdata, s_channel.reshape(-1).float(), bias, out_dtype, convrot_groupsize, qmax=INT8_MAX,
-                   s_rel=s_rel, codebook=codebook, correction=correction, group_size=group_size)
-    out = dispatch.run("w4a8", x2d, n, plan.names, plan.make, plan.reasons)
-    return out.reshape(*x.shape[:-1], n)
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    key = _fast_key("w4a8", x2d, qdata, s_channel, bias, out_dtype, convrot_groupsize, s_rel, codebook, correction,
+                    group_size)
+    out = dispatch.run_fast(key, x2d, qdata, s_channel, bias, s_rel, codebook, correction)
+    if out is None:
+        x2d, n = _check(x, qdata, convrot_groupsize, "w4a8")
+        if s_rel.shape != (n, 2 * qdata.shape[1] // group_size):
+            raise ValueError(f"w4a8: s_rel must be [{n}, {2 * qdata.shape[1] // group_size}] for group_size "
+                             f"{group_size}, found {tuple(s_rel.shape)}")
+        plan = _W4Plan(x2d, qdata, s_channel.reshape(-1).float(), bias, out_dtype, convrot_groupsize, qmax=INT8_MAX,
+                       s_rel=s_rel, codebook=codebook, correction=correction, group_size=group_size)
+        out = dispatch.run("w4a8", x2d, n, plan.names, plan.make, plan.reasons, key, plan.make_fast)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], qdata.shape[0])
+
+
+def _fast_key(fmt, x2d, packed, w_scale, bias, out_dtype, rot_group, s_rel, codebook, correction, group_size) -> tuple:
+    """Everything the dispatcher's choice and the chosen plan depend on (cheap to build: no strings)."""
+    m, k = x2d.shape
+    return (fmt, rot_group, group_size, dispatch.m_bucket(m), packed.shape[0], k, packed.shape[1], packed.dtype,
+            x2d.dtype, out_dtype, x2d.device, None if bias is None else bias.dtype, w_scale.numel(),
+            None if s_rel is None else (s_rel.dtype, s_rel.shape), codebook is None, correction is None)
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, convrot_groupsize: int, fmt: str) -> tuple[torch.Tensor, int]:
@@ -133,6 +153,19 @@ class _W4Plan:
             return triton + kitchen + ["dequant"] + (["eager"] if active_backend() is Backend.EAGER else [])
         return kitchen + ["eager", "dequant"] + (triton if interpreting() else [])
 
+    def make_fast(self, name: str):
+        """The steady-state call of candidate ``name``:
+        ``plan(x2d, packed, w_scale, bias, s_rel, codebook, correction)``."""
+        if name.startswith("triton:"):
+            return _TritonW4Plan(config_named(name.split(":", 1)[1]), self.qmax, self.rot_group, self.group_size,
+                                 self.out_dtype)
+        qmax, rot_group, group_size, out_dtype = self.qmax, self.rot_group, self.group_size, self.out_dtype
+
+        def plan(x, packed, w_scale, bias, s_rel, codebook, correction):  # any other decision: its full candidate
+            return _W4Plan(x, packed, w_scale.reshape(-1).float(), bias, out_dtype, rot_group, qmax, s_rel, codebook,
+                           correction, group_size).make(name)()
+        return plan
+
     def make(self, name: str):
         if name.startswith("triton:"):
             config = name.split(":", 1)[1]
@@ -181,3 +214,26 @@ class _W4Plan:
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(self.out_dtype)
+
+
+class _TritonW4Plan:
+    """The act-quant kernel (codes permuted for the nibble planes) + the W4 GEMM with one tile config."""
+
+    __slots__ = ("config", "qmax", "rot_group", "group_size", "out_dtype")
+
+    def __init__(self, config, qmax, rot_group, group_size, out_dtype):
+        self.config, self.qmax, self.rot_group, self.group_size, self.out_dtype = (config, qmax, rot_group,
+                                                                                  group_size, out_dtype)
+
+    def __call__(self, x, packed, w_scale, bias, s_rel, codebook, correction):
+        from .triton_act_quant import act_quant_triton
+        from .triton_w4_gemm import w4a8_mm_triton
+
+        config = self.config
+        q, scale, _ = act_quant_triton(x, torch.int8, self.qmax, "regular", self.rot_group, None, False, config.block_k)
+        if packed.dtype != torch.int8:
+            packed = packed.view(torch.int8)
+        if w_scale.dtype != torch.float32 or not w_scale.is_contiguous():
+            w_scale = w_scale.reshape(-1).float()
+        table = level_table(codebook, x.device) if s_rel is not None else None
+        return w4a8_mm_triton(q, packed, scale, w_scale, bias, s_rel, table, self.group_size, self.out_dtype, config)

@@ -9,6 +9,10 @@ candidates the dispatcher chooses among:
 * ``kitchen``         – comfy-kitchen's ``int8_linear`` (INT8, no rotation or ConvRot 256 only)
 * ``dequant``         – dequantize the weight, float ``F.linear`` (no activation quantization)
 * ``eager``           – the pure-torch reference of both kernels
+
+Steady state: :func:`w8a8_linear_fast` looks up the plan the dispatcher settled on for the call's
+(format, pre-processing, M bucket, shapes, dtypes, device) and runs it – for a Triton decision,
+our act-quant kernel and the GEMM with the chosen tile config, nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from . import dispatch, ops
 from .backend import Backend, active_backend, capability, interpreting, triton_problem
-from .gemm_config import default_config, w8a8_candidates
+from .gemm_config import config_named, default_config, w8a8_candidates
 from .hadamard import rotate_blocks
 from .reference import FP8, FP8_MAX, INT8_MAX
 
@@ -65,8 +69,31 @@ class Preprocess:
         return xf, mean
 
 
+def w8a8_fast_key(fmt: str, x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype, rotation: str, group_size: int,
+                  smooth: torch.Tensor | None, center_rowsum: torch.Tensor | None) -> tuple:
+    """Everything the dispatcher's choice and the chosen plan depend on (cheap to build: no strings)."""
+    m, k = x2d.shape
+    return (fmt, rotation, group_size, smooth is None, center_rowsum is None, dispatch.m_bucket(m), weight.shape[0],
+            k, weight.shape[1], x2d.dtype, out_dtype, weight.dtype, x2d.device, None if bias is None else bias.dtype,
+            weight_scale.numel(), weight_scale.dtype, weight_scale.is_contiguous())
+
+
+def w8a8_linear_fast(fmt: str, x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype, rotation: str = "none", group_size: int = 0,
+                     smooth: torch.Tensor | None = None, center_rowsum: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`w8a8_linear` with the pre-processing as plain arguments: the cached plan when there is
+    one (no ``Preprocess``, candidate list or key string is built), else the full path."""
+    key = w8a8_fast_key(fmt, x2d, weight, weight_scale, bias, out_dtype, rotation, group_size, smooth, center_rowsum)
+    out = dispatch.run_fast(key, x2d, weight, weight_scale, bias, smooth, center_rowsum)
+    if out is not None:
+        return out
+    pre = Preprocess(rotation, group_size, smooth, center_rowsum)
+    return w8a8_linear(x2d, weight, weight_scale, bias, out_dtype, pre, fmt, fast_key=key)
+
+
 def w8a8_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype, pre: Preprocess, fmt: str) -> torch.Tensor:
+                out_dtype: torch.dtype, pre: Preprocess, fmt: str, fast_key: tuple | None = None) -> torch.Tensor:
     """``[M, K]`` → ``[M, N]``. ``weight``: int8 or float8_e4m3fn ``[N, K]``; ``weight_scale``: ``[N]``/``[N, 1]``/scalar."""
     fp8 = weight.dtype == FP8
     if weight.dtype not in (torch.int8, FP8):
@@ -79,7 +106,49 @@ def w8a8_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"{fmt}: weight_scale must have 1 or {n} values, found {w_scale.numel()}")
     plan = _Plan(x2d, weight, w_scale, bias, out_dtype, pre, fp8)
     key = fmt + (f"+{pre.key()}" if pre.key() else "")
-    return dispatch.run(key, x2d, n, plan.names, plan.make, plan.reasons)
+    make_fast = None
+    if fast_key is not None:
+        def make_fast(name: str):
+            return _fast_plan(name, x2d, weight_scale, out_dtype, pre, fp8)
+    return dispatch.run(key, x2d, n, plan.names, plan.make, plan.reasons, fast_key, make_fast)
+
+
+def _fast_plan(name: str, x2d: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype, pre: Preprocess,
+               fp8: bool):
+    """The steady-state call of candidate ``name``: ``plan(x2d, weight, weight_scale, bias, smooth, center_rowsum)``."""
+    if name.startswith("triton:"):
+        return _TritonW8A8Plan(config_named(name.split(":", 1)[1]), pre.rotation, pre.group_size,
+                               pre.center_rowsum is not None, fp8, out_dtype,
+                               scale_as_is=weight_scale.dtype == torch.float32 and weight_scale.is_contiguous())
+    rotation, group_size = pre.rotation, pre.group_size
+
+    def plan(x, weight, weight_scale, bias, smooth, center_rowsum):  # any other decision: its full candidate
+        pre = Preprocess(rotation, group_size, smooth, center_rowsum)
+        return _Plan(x, weight, weight_scale.reshape(-1).float(), bias, out_dtype, pre, fp8).make(name)()
+    return plan
+
+
+class _TritonW8A8Plan:
+    """Our act-quant kernel + our GEMM with one tile config: two launches and three allocations."""
+
+    __slots__ = ("config", "rotation", "group_size", "center", "code_dtype", "qmax", "out_dtype", "scale_as_is")
+
+    def __init__(self, config, rotation, group_size, center, fp8, out_dtype, scale_as_is):
+        self.config, self.rotation, self.group_size, self.center = config, rotation, group_size, center
+        self.code_dtype, self.qmax = (FP8, FP8_MAX) if fp8 else (torch.int8, INT8_MAX)
+        self.out_dtype, self.scale_as_is = out_dtype, scale_as_is
+
+    def __call__(self, x, weight, weight_scale, bias, smooth, center_rowsum):
+        from .triton_act_quant import act_quant_triton
+        from .triton_w8a8_gemm import w8a8_mm_triton
+
+        q, scale, mean = act_quant_triton(x, self.code_dtype, self.qmax, self.rotation, self.group_size, smooth,
+                                          self.center)
+        w_scale = weight_scale if self.scale_as_is else weight_scale.reshape(-1).float()
+        if self.center:
+            return w8a8_mm_triton(q, weight, scale, w_scale, bias, mean, center_rowsum.float(), self.out_dtype,
+                                  self.config)
+        return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, self.out_dtype, self.config)
 
 
 class _Plan:
