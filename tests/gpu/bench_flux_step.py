@@ -35,7 +35,7 @@ log = logging.getLogger("bench_flux_step")
 SIZES = {
     # hidden, double, single, context, vec, image tokens side (latent/2), text tokens
     "dev": dict(hidden_size=3072, depth=19, depth_single_blocks=38, context_in_dim=4096, vec_in_dim=768, side=64, txt=512),
-    "tiny": dict(hidden_size=256, depth=2, depth_single_blocks=2, context_in_dim=64, vec_in_dim=32, side=8, txt=16),
+    "tiny": dict(hidden_size=128, depth=2, depth_single_blocks=2, context_in_dim=32, vec_in_dim=16, side=4, txt=8),
 }
 
 

@@ -1,0 +1,142 @@
+"""Compiled step time per format on a Flux.1-dev-sized model in real ComfyUI (issue 6, Show 2).
+
+Usage (from the repository root; prints the JSON report's path at the end):
+  python tests/gpu/bench_compile_step.py --size dev --out compile.json     # bf16 int8_convrot fp8_rowwise w4a4 int8
+  python tests/gpu/bench_compile_step.py --size dev --modes bf16 int8_convrot w4a8 --out compile.json
+  python tests/gpu/bench_compile_step.py --size tiny --device cpu --backend aot_eager --iters 1   # CPU smoke run
+
+Per mode (``bf16`` = the float model, else a format quantized by Quantize Model's core), in one process,
+on the same inputs, compiled the way the Compile Quantized Model node compiles
+(``nodes.compile.compile_model``: an ``APPLY_MODEL`` wrapper compiling each repeated block class once,
+inductor, dynamic token dimensions, at the first denoiser call):
+
+* eager step: the median denoiser call (``apply_model``, 1024x1024 at dev size, batch 1) uncompiled;
+* first call: the first compiled denoiser call, compile included (``compile_s`` = it minus one eager step);
+* compiled step: the median compiled denoiser call after warm-up;
+* graphs: Dynamo graphs compiled by the first call (one per block class when nothing breaks the
+  graph) and during the timed calls (``recompiles``, expected 0); ``failure``: set when the node fell
+  back to eager (the compiled numbers are then eager numbers);
+* speed-ups against compiled bf16 and eager bf16, and each output's error against eager bf16.
+
+Dynamo is reset before each mode (``--keep-dynamo`` does not), so each first compile costs what it costs
+in a fresh ComfyUI session (inductor's on-disk caches are kept: a second run of the script compiles faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import bench_flux_step
+from gpu_bench_common import (common_args, denoiser_call, flux_inputs, free, grad_mode, peak_gb, rel_err, reset_peak,
+                              setup, time_call, wall)
+
+DEFAULT_MODES = ("bf16", "int8_convrot", "fp8_rowwise", "w4a4", "int8")  # most wanted first
+TARGET_SPEEDUP = 1.5
+
+
+def graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def measure_mode(mode: str, base, inputs, settings, device, a, report, refs: dict) -> None:
+    from lowbit.nodes.compile import compile_model, compile_wrapper
+    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.quant.policy import Policy
+
+    row = report["modes"].setdefault(mode, {})
+    reset_peak(device)
+    # The models are built/quantized on the device and never loaded through ComfyUI's model management:
+    # a sampler's load would be a no-op for weights already there, and unloading would copy them to the host.
+    if mode == "bf16":
+        patcher = base
+    else:
+        row["quantize_s"], patcher = wall(lambda: quantize_model(base, Policy(mode=mode)), device)
+    eager_s, eager_out = time_call(denoiser_call(patcher, inputs), device, a.iters, a.warmup)
+    row["eager_step_ms"] = eager_s * 1e3
+    if mode == "bf16":
+        refs["bf16"] = eager_out.float()
+    reference = refs["bf16"]
+    row["eager_rel_err_vs_bf16"] = rel_err(eager_out.float(), reference)
+    report.save()
+
+    if not a.keep_dynamo:
+        torch._dynamo.reset()
+    compiled = compile_model(patcher, settings)
+    call = denoiser_call(compiled, inputs)
+    before = graphs()
+    row["first_call_s"], _ = wall(call, device)
+    row["compile_s"] = row["first_call_s"] - eager_s
+    first = graphs()
+    step_s, out = time_call(call, device, a.iters, a.warmup)
+    state = compile_wrapper(compiled).state
+    row.update(compiled_step_ms=step_s * 1e3, graphs_first_call=first - before, recompiles=graphs() - first,
+               failure=state.failure, regions=list(state.regions),
+               compiled_rel_err_vs_bf16=rel_err(out.float(), reference),
+               compiled_vs_eager_rel=rel_err(out.float(), eager_out.float()),
+               compiled_speedup_vs_eager=eager_s / step_s, peak_vram_gb=peak_gb(device))
+    bf16 = report["modes"].get("bf16", {})
+    if "compiled_step_ms" in bf16 and not bf16.get("failure"):
+        row["speedup_vs_compiled_bf16"] = bf16["compiled_step_ms"] / row["compiled_step_ms"]
+    if "eager_step_ms" in bf16:
+        row["eager_speedup_vs_eager_bf16"] = bf16["eager_step_ms"] / row["eager_step_ms"]
+    del compiled, patcher
+
+
+def summarize(report) -> dict:
+    rows = {m: r for m, r in report["modes"].items()
+            if m != "bf16" and "speedup_vs_compiled_bf16" in r and not r.get("failure")}
+    if not rows:
+        return {"best": None}
+    best = max(rows, key=lambda m: rows[m]["speedup_vs_compiled_bf16"])
+    speedup = rows[best]["speedup_vs_compiled_bf16"]
+    return {"best": best, "best_speedup_vs_compiled_bf16": speedup, "target": TARGET_SPEEDUP,
+            "target_met": speedup >= TARGET_SPEEDUP,
+            "failures": {m: r["failure"] for m, r in report["modes"].items() if r.get("failure")}}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(p)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
+                   help="bf16 and/or quantization formats (bf16 first: the speed-ups are against it)")
+    p.add_argument("--backend", default="inductor", help="the node's backend input")
+    p.add_argument("--compile-mode", default="default", help="the node's mode input")
+    p.add_argument("--scope", default="blocks", help="the node's scope input (blocks or diffusion_model)")
+    p.add_argument("--dynamic", default="tokens", help="the node's dynamic input (tokens or static)")
+    p.add_argument("--fullgraph", action="store_true", help="the node's fullgraph input")
+    p.add_argument("--keep-dynamo", action="store_true", help="do not reset Dynamo between modes")
+    a = p.parse_args(argv)
+    device, report = setup(a, "bench_compile_step")
+    from lowbit.nodes.compile import CompileSettings
+
+    settings = CompileSettings(backend=a.backend, mode=a.compile_mode, scope=a.scope, dynamic=a.dynamic,
+                               fullgraph=a.fullgraph)
+    modes = ["bf16"] + [m for m in a.modes if m != "bf16"] if "bf16" in a.modes else list(a.modes)
+    report.data.update(compile=settings.to_dict(), reset_dynamo_per_mode=not a.keep_dynamo, modes={})
+    with grad_mode(a.grad_mode):
+        report["build_s"], base = wall(lambda: bench_flux_step.build_flux(a.size, device), device)
+        report["params"] = sum(t.numel() for t in base.model.diffusion_model.parameters())
+        inputs = flux_inputs(a.size, device)
+        refs = {}  # the eager bf16 output: the reference of every error
+        if "bf16" not in modes:
+            refs["bf16"] = denoiser_call(base, inputs)().float()
+        for mode in modes:
+            try:
+                measure_mode(mode, base, inputs, settings, device, a, report, refs)
+            except Exception as err:  # one mode failing must not lose the others' numbers
+                bench_flux_step.log.exception("mode %s failed", mode)
+                report["modes"].setdefault(mode, {})["error"] = f"{type(err).__name__}: {err}"
+            free(device)
+            report["summary"] = summarize(report)
+            report.save()
+    return report.finish()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

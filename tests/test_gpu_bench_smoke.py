@@ -1,0 +1,133 @@
+"""The whole-model GPU measurement scripts in ``tests/gpu`` run end to end at ``--size tiny --device cpu``.
+
+Each script runs in its own process (as the GPU runs will), the three at once, one CPU thread each;
+the test reads the JSON report each one wrote and checks that its measurements are there, finite, and
+say what they must on any device (a LoRA changes the output and a Stochastic merge lands near Dynamic;
+a compiled block class is one graph and never recompiles; the calibrated model is no larger than
+int4_mixed). Speeds are not asserted: CPU timings of a tiny model say nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU_DIR = Path(__file__).resolve().parent / "gpu"
+COMMON = ["--size", "tiny", "--device", "cpu", "--iters", "1", "--warmup", "1", "--attention", "pytorch"]
+SCRIPTS = {
+    "lora": ["bench_lora_step.py"],
+    "compile": ["bench_compile_step.py", "--backend", "aot_eager", "--modes", "bf16", "int8_convrot"],
+    "calibrate": ["bench_calibrate.py", "--steps", "1", "--resolution", "64", "--smoothing", "off",
+                  "--eval-inputs", "2"],
+}
+TIMEOUT_S = 240
+
+
+def _comfyui() -> Path | None:
+    path = Path(os.environ.get("COMFYUI_PATH") or Path("~/ComfyUI").expanduser())
+    return path if (path / "comfy" / "ops.py").is_file() else None
+
+
+pytestmark = pytest.mark.skipif(_comfyui() is None, reason="ComfyUI not found: set COMFYUI_PATH to a ComfyUI "
+                                                           "checkout (or clone it to ~/ComfyUI)")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{name: (process result, report dict or None)}`` of the three scripts, run concurrently."""
+    out = tmp_path_factory.mktemp("gpu_bench_smoke")
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = {}
+    for name, (script, *extra) in SCRIPTS.items():
+        cmd = [sys.executable, str(GPU_DIR / script), *COMMON, *extra, "--out", str(out / f"{name}.json")]
+        procs[name] = subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+    results = {}
+    for name, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        path = out / f"{name}.json"
+        results[name] = (proc.returncode, output, json.loads(path.read_text()) if path.is_file() else None)
+    return results
+
+
+def _report(runs, name) -> dict:
+    code, output, report = runs[name]
+    assert code == 0, f"{name} failed (exit {code}):\n{output[-4000:]}"
+    assert report is not None, f"{name} wrote no JSON report"
+    assert "JSON report: " in output and f"{name}.json" in output, "the script must print its report's path"
+    _assert_finite(report, name)
+    return report
+
+
+def _assert_finite(value, where: str) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _assert_finite(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _assert_finite(item, f"{where}[{i}]")
+    elif isinstance(value, float):
+        assert math.isfinite(value), f"{where} is {value}"
+
+
+def test_lora_step_overheads(runs):
+    report = _report(runs, "lora")
+    assert report["bf16_step_ms"] > 0 and report["lora_layers"] == 26  # 2 double x 10 + 2 single x 3 linears
+    row = report["formats"]["int8_convrot"]
+    assert "error" not in row
+    for label in ("none", "stochastic_4", "dynamic_1", "dynamic_4"):
+        assert row[label]["step_ms"] > 0 and row[label]["load_s"] >= 0
+    for label in ("stochastic_4", "dynamic_1", "dynamic_4"):
+        assert "overhead_pct" in row[label]
+    assert row["stochastic_4"]["layers_merged"] == 26 and row["stochastic_4"]["apply_s"] > 0
+    assert row["dynamic_1"]["banks"] == row["dynamic_4"]["banks"] == 26
+    assert row["dynamic_4"]["bank_mb"] == pytest.approx(4 * row["dynamic_1"]["bank_mb"])
+    summary = row["summary"]
+    assert summary["lora_effect_rel"] > 0.02, "four LoRAs at strength 1 must change the output"
+    # merging rounds once per weight: the merged model lands far nearer Dynamic than the LoRAs move it
+    assert summary["stochastic_vs_dynamic_rel"] < summary["lora_effect_rel"] / 2
+
+
+def test_compile_step_per_mode(runs):
+    report = _report(runs, "compile")
+    assert report["compile"]["backend"] == "aot_eager" and report["compile"]["scope"] == "blocks"
+    for mode in ("bf16", "int8_convrot"):
+        row = report["modes"][mode]
+        assert "error" not in row and row["failure"] is None
+        assert row["regions"] == ["DoubleStreamBlock", "SingleStreamBlock"]
+        assert row["graphs_first_call"] == 2, "each block class must compile to one graph shared by its blocks"
+        assert row["recompiles"] == 0
+        assert row["compiled_vs_eager_rel"] == 0.0  # aot_eager changes no numerics
+        assert row["first_call_s"] > 0 and row["compiled_step_ms"] > 0 and row["eager_step_ms"] > 0
+    assert report["modes"]["bf16"]["speedup_vs_compiled_bf16"] == pytest.approx(1.0)
+    assert 0 < report["modes"]["int8_convrot"]["compiled_rel_err_vs_bf16"] < 0.2
+    assert report["summary"]["best"] == "int8_convrot" and "target_met" in report["summary"]
+
+
+def test_calibration_against_int4_mixed(runs):
+    from lowbit.quant.calibrate import load_policy_file
+
+    report = _report(runs, "calibrate")
+    int4, calibrated = report["results"]["int4_mixed"], report["results"]["calibrated"]
+    assert report["calibration"]["seconds"] > 0 and report["calibration"]["objective"] == "model_output"
+    assert report["calibration"]["budget_bytes"] + report["calibration"]["fixed_bytes"] == int4["bytes"]
+    assert calibrated["bytes"] <= int4["bytes"] < report["bf16_bytes"]
+    assert calibrated["bytes"] == report["calibration"]["planned_total_bytes"]
+    assert sum(calibrated["formats"].values()) == sum(int4["formats"].values()) == report["calibration"]["layers"]
+    for row in (int4, calibrated):
+        assert 0 < row["rel_err"] < 1 and len(row["rel_err_per_call"]) == 2
+    summary = report["summary"]
+    assert summary["calibrated_fits_int4_mixed_bytes"] is True
+    assert summary["error_ratio_calibrated_over_int4_mixed"] == pytest.approx(calibrated["rel_err"] / int4["rel_err"])
+    policy, calibration = load_policy_file(report["calibration"]["policy_file"])
+    assert calibration is not None and len(policy.layer_format_map) == report["calibration"]["layers"]
