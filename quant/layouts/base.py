@@ -12,13 +12,17 @@ Nothing here imports ComfyUI.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, dequantize_args, register_layout_op
 
+from ...kernels.backend import Backend, BackendUnavailableError, active_backend
 from ..errors import CheckpointFormatError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -188,3 +192,63 @@ def _untransposed(w: QuantizedTensor, layout_name: str) -> QuantizedTensor:
 def flatten_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``[..., K]`` → ``[M, K]`` plus the leading shape to restore."""
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
+
+
+# ---- comfy-kitchen layouts run on LowBit's kernels -----------------------------------------------
+
+#: what LowBit's kernels raise when they refuse a call: a shape, dtype or parameter they do not take
+#: (``ValueError``), a forced backend that cannot run it (``BackendUnavailableError``)
+_KERNEL_REFUSALS = (ValueError, BackendUnavailableError, NotImplementedError)
+_warned_failures: set[tuple[str, str]] = set()
+
+
+def kitchen_weight_problem(x: torch.Tensor, weight, layouts: tuple[str, ...]) -> str | None:
+    """Why the linear of ``x`` and a kitchen-layout ``weight`` cannot go to LowBit's kernels as is.
+
+    ``None`` when it can: a plain input, a ``QuantizedTensor`` of one of ``layouts`` (kitchen registry
+    names) stored untransposed and contiguous on ``x``'s device, and no forced ``kitchen`` backend
+    (which means kitchen's own linear).
+    The format's codec adds its own checks (dtypes, scale shapes, layout options).
+    """
+    if isinstance(x, QuantizedTensor):
+        return "the input is itself quantized"
+    if not isinstance(weight, QuantizedTensor) or weight._layout_cls not in layouts:
+        return f"the weight is not a {' or '.join(layouts)} QuantizedTensor"
+    if getattr(weight._params, "transposed", False):
+        return "the weight is transposed"
+    qdata = weight._qdata
+    if not qdata.is_contiguous() or qdata.dim() != 2:
+        return f"the weight's storage is not a contiguous matrix (shape {tuple(qdata.shape)})"
+    if qdata.device != x.device:
+        return f"the weight is on {qdata.device}, the input on {x.device}"
+    if active_backend() is Backend.KITCHEN:
+        return "the kitchen backend is forced"
+    return None
+
+
+def linear_on_kernel(fmt: str, problem: str | None, kernel: Callable[[], torch.Tensor],
+                     kitchen: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``kernel()`` when ``problem`` is ``None`` and the kernel takes the call, else ``kitchen()``.
+
+    ``kitchen`` is the format's comfy-kitchen path (``F.linear`` on the ``QuantizedTensor``, through
+    kitchen's handler). Falling back is never an error: a refusal (a shape or option the kernels do
+    not take, a forced backend that cannot run it) is logged at debug level; any other kernel failure
+    (a bug, an unsupported GPU) is logged once per format and error type as a warning.
+    """
+    if problem is None:
+        try:
+            return kernel()
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except _KERNEL_REFUSALS as err:
+            problem = f"LowBit's kernel refused it ({type(err).__name__}: {err})"
+        except RuntimeError as err:
+            key = (fmt, type(err).__name__)
+            if key not in _warned_failures:
+                _warned_failures.add(key)
+                log.warning("LowBit's %s kernel failed (%s: %s); running comfy-kitchen's linear instead",
+                            fmt, type(err).__name__, err)
+            return kitchen()
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("LowBit %s linear runs comfy-kitchen's path: %s", fmt, problem)
+    return kitchen()

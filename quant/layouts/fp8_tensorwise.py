@@ -13,6 +13,19 @@ cannot run.
 Note: stock ComfyUI quantizes activations with a unit scale when a layer has no ``input_scale``;
 LowBit uses the activation's abs-max instead (no clipping above 448), so the two can differ in the
 last bits on such files.
+
+Run time (:meth:`Fp8TensorwiseCodec.linear`):
+
+* on a CUDA device, for a layer without ``input_scale``: LowBit's ``kernels.fp8_gemm.fp8_rowwise_linear``
+  with the stored per-tensor weight scale. Activations get one scale per token instead of one per
+  tensor: each token's scale fits its own range, so small tokens no longer sink into e4m3's
+  subnormals. The measured dispatcher picks our Triton kernel or ``torch._scaled_mm`` with row-wise
+  scales.
+* a layer with a stored ``input_scale`` (a calibrated static activation scale): exactly as before,
+  the activation quantized to that scale and kitchen's FP8 linear (``F.linear``), as stock ComfyUI
+  runs it.
+* on the CPU: as before (activation abs-max per tensor, kitchen's linear), so CPU results stay
+  comfy-kitchen's bit for bit.
 """
 
 from __future__ import annotations
@@ -20,10 +33,15 @@ from __future__ import annotations
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout
 
-from .base import FormatCodec, FormatSpec, check_matrix, check_numel, require
+from ...kernels.fp8_gemm import fp8_rowwise_linear
+from .base import FormatCodec, FormatSpec, check_matrix, check_numel, kitchen_weight_problem, linear_on_kernel, require
 
 LAYOUT = "TensorCoreFP8Layout"
 FP8 = torch.float8_e4m3fn
+#: registry names an e4m3 weight of this format has (ComfyUI's loader uses its own subclass' name)
+WEIGHT_LAYOUTS = (LAYOUT, "TensorCoreFP8E4M3Layout")
+#: device types on which a layer without ``input_scale`` runs LowBit's per-token FP8 kernel
+KERNEL_DEVICE_TYPES = frozenset({"cuda"})
 
 
 class Fp8TensorwiseCodec(FormatCodec):
@@ -47,17 +65,26 @@ class Fp8TensorwiseCodec(FormatCodec):
         return TensorCoreFP8Layout.quantize(weight, scale=scale, dtype=FP8)
 
     def linear(self, x, weight, bias=None, input_scale=None):
-        x2d = x.reshape(-1, x.shape[-1])
-        scale = input_scale if input_scale is not None else x2d.abs().amax().float().clamp(min=1e-12) / torch.finfo(FP8).max
-        # kitchen's class itself, not the registry name: ComfyUI re-registers that name with a subclass
-        qdata, params = TensorCoreFP8Layout.quantize(x2d, scale=scale.to(device=x.device, dtype=torch.float32), dtype=FP8)
-        qx = QuantizedTensor(qdata, LAYOUT, params)
-        if bias is not None and x.dtype == torch.float32:
-            # torch._scaled_mm takes no bias with an fp32 output (a ValueError kitchen does not catch)
-            out = torch.nn.functional.linear(qx, weight) + bias.to(torch.float32)
-        else:
-            out = torch.nn.functional.linear(qx, weight, bias)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        """``x @ W.T + bias`` in ``x``'s dtype; see the module docstring for which kernel runs."""
+        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight, input_scale),
+                                lambda: fp8_rowwise_linear(x, weight._qdata, weight._params.scale, bias,
+                                                           out_dtype=x.dtype),
+                                lambda: _kitchen_linear(x, weight, bias, input_scale))
+
+    def _kernel_problem(self, x, weight, input_scale) -> str | None:
+        if input_scale is not None:
+            return "the layer has a static input_scale (kept, as stock ComfyUI uses it)"
+        if x.device.type not in KERNEL_DEVICE_TYPES:
+            return f"inputs on {x.device.type} keep kitchen's per-tensor activation scale"
+        problem = kitchen_weight_problem(x, weight, WEIGHT_LAYOUTS)
+        if problem is not None:
+            return problem
+        qdata, scale = weight._qdata, weight._params.scale
+        if qdata.dtype != FP8 or qdata.shape[1] != x.shape[-1]:
+            return f"weight {qdata.dtype} {tuple(qdata.shape)} does not fit an input of {x.shape[-1]} features"
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+            return "the weight scale is not one fp32 value"
+        return None
 
     def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
         weight = require(layer, tensors, "weight", self.spec.name)
@@ -68,6 +95,22 @@ class Fp8TensorwiseCodec(FormatCodec):
         check_numel(layer, scale, self.spec.name, "weight_scale", (1,))
         params = TensorCoreFP8Layout.Params(scale=scale.reshape(()), orig_dtype=compute_dtype, orig_shape=tuple(weight.shape))
         return QuantizedTensor(weight, LAYOUT, params)
+
+
+def _kitchen_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None,
+                    input_scale: torch.Tensor | None) -> torch.Tensor:
+    """The activation quantized per tensor (to ``input_scale``, else its abs-max), kitchen's FP8 linear."""
+    x2d = x.reshape(-1, x.shape[-1])
+    scale = input_scale if input_scale is not None else x2d.abs().amax().float().clamp(min=1e-12) / torch.finfo(FP8).max
+    # kitchen's class itself, not the registry name: ComfyUI re-registers that name with a subclass
+    qdata, params = TensorCoreFP8Layout.quantize(x2d, scale=scale.to(device=x.device, dtype=torch.float32), dtype=FP8)
+    qx = QuantizedTensor(qdata, LAYOUT, params)
+    if bias is not None and x.dtype == torch.float32:
+        # torch._scaled_mm takes no bias with an fp32 output (a ValueError kitchen does not catch)
+        out = torch.nn.functional.linear(qx, weight) + bias.to(torch.float32)
+    else:
+        out = torch.nn.functional.linear(qx, weight, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 FP8_TENSORWISE = Fp8TensorwiseCodec()

@@ -6,6 +6,13 @@ of 256 with the regular Hadamard matrix (ConvRot), which spreads outlier channel
 Native ``comfy_quant``: ``{"format": "int8_tensorwise"}`` (+ ``"convrot": true,
 "convrot_groupsize": 256``); tensors ``weight`` (int8 ``[N, K]``) and ``weight_scale`` (fp32 ``[N, 1]``).
 Stock ComfyUI loads and runs both.
+
+Run time: :meth:`Int8TensorwiseCodec.linear` (what LowBit's Linear calls) runs LowBit's
+``kernels.int8_gemm.int8_linear`` on the layout's tensors, with the ConvRot rotation fused into the
+activation quantization; its dispatcher picks per shape among our Triton kernels, kitchen's
+``int8_linear``, ``torch._int_mm`` and dequantize (on the CPU it tries kitchen first, so CPU results
+are kitchen's bit for bit). A weight the kernels do not take runs kitchen's handler (``F.linear``).
+Kitchen's global handlers are untouched: a model loaded by stock ComfyUI keeps kitchen's path.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from typing import Mapping
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
-from .base import FormatCodec, FormatSpec, check_matrix, check_numel, conf_value, require
+from ...kernels.int8_gemm import int8_linear
+from .base import (FormatCodec, FormatSpec, check_matrix, check_numel, conf_value, kitchen_weight_problem,
+                   linear_on_kernel, require)
 
 LAYOUT = "TensorWiseINT8Layout"
 CONVROT_GROUP = 256
@@ -31,6 +40,24 @@ class Int8TensorwiseCodec(FormatCodec):
             weight, is_weight=True, per_channel=True, convrot=self.convrot,
             convrot_groupsize=CONVROT_GROUP, stochastic_rounding=seed,
         )
+
+    def linear(self, x, weight, bias=None, input_scale=None):
+        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's INT8 kernels (``input_scale`` is unused:
+        activations are quantized per token)."""
+        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight),
+                                lambda: _kernel_linear(x, weight, bias),
+                                lambda: torch.nn.functional.linear(x, weight, bias))
+
+    def _kernel_problem(self, x, weight) -> str | None:
+        problem = kitchen_weight_problem(x, weight, (LAYOUT,))
+        if problem is not None:
+            return problem
+        qdata, p = weight._qdata, weight._params
+        if qdata.dtype != torch.int8 or qdata.shape[1] != x.shape[-1]:
+            return f"weight {qdata.dtype} {tuple(qdata.shape)} does not fit an input of {x.shape[-1]} features"
+        if not getattr(p, "is_weight", True) or p.scale.numel() not in (1, qdata.shape[0]):
+            return f"weight_scale has {p.scale.numel()} values, not 1 or one per output row"
+        return None
 
     def comfy_quant(self, qt):
         conf = {"format": self.spec.native_format}
@@ -52,6 +79,12 @@ class Int8TensorwiseCodec(FormatCodec):
             is_weight=True, convrot=self.convrot, convrot_groupsize=group,
         )
         return QuantizedTensor(weight, LAYOUT, params)
+
+
+def _kernel_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    p = weight._params
+    rotation, group = ("regular", p.convrot_groupsize) if p.convrot else ("none", 0)
+    return int8_linear(x, weight._qdata, p.scale, bias, out_dtype=x.dtype, rotation=rotation, group_size=group)
 
 
 INT8 = Int8TensorwiseCodec(FormatSpec(

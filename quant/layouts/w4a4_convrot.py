@@ -6,7 +6,15 @@ quantized to 4 bits (weights offline, activations per token at run time). Storag
 ``{"format": "convrot_w4a4", "convrot_groupsize": 256}``.
 
 Stock ComfyUI 0.30 lists the format but cannot run it on CPU; LowBit runs it through kitchen's layout.
-On GPUs without INT4 tensor cores (Hopper) kitchen computes it through INT8.
+
+Run time: :meth:`W4A4ConvRotCodec.linear` runs LowBit's ``kernels.w4_linear.w4a4_linear`` on the
+layout's tensors (the weight stays packed; our Triton kernel decodes it in registers), with the
+activation bits comfy-kitchen itself uses for this weight on this device (:func:`act_bits`):
+4 on the CPU and on GPUs with INT4 tensor cores (Turing, Ampere, Ada), 8 on Hopper and newer, where
+kitchen runs the format through INT8, and 8 on any GPU for a weight stored with
+``linear_dtype: "int8"``. On the CPU the dispatcher tries kitchen's ``convrot_w4a4_linear`` first,
+so CPU results are kitchen's bit for bit. A weight the kernels do not take runs kitchen's handler
+(``F.linear``).
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ from __future__ import annotations
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorCoreConvRotW4A4Layout
 
-from .base import FormatCodec, FormatSpec, check_matrix, conf_value, require
+from ...kernels.backend import capability
+from ...kernels.w4_linear import w4a4_linear
+from .base import (FormatCodec, FormatSpec, check_matrix, conf_value, kitchen_weight_problem, linear_on_kernel,
+                   require)
 
 LAYOUT = "TensorCoreConvRotW4A4Layout"
 CONVROT_GROUP = 256
@@ -36,6 +47,25 @@ class W4A4ConvRotCodec(FormatCodec):
             weight, convrot_groupsize=CONVROT_GROUP, quant_group_size=QUANT_GROUP, stochastic_rounding=seed,
         )
 
+    def linear(self, x, weight, bias=None, input_scale=None):
+        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's W4 kernel (``input_scale`` is unused)."""
+        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight),
+                                lambda: _kernel_linear(x, weight, bias),
+                                lambda: torch.nn.functional.linear(x, weight, bias))
+
+    def _kernel_problem(self, x, weight) -> str | None:
+        problem = kitchen_weight_problem(x, weight, (LAYOUT,))
+        if problem is not None:
+            return problem
+        qdata, p = weight._qdata, weight._params
+        if qdata.dtype != torch.int8 or 2 * qdata.shape[1] != x.shape[-1]:
+            return f"packed weight {qdata.dtype} {tuple(qdata.shape)} does not fit an input of {x.shape[-1]} features"
+        if p.scale.numel() != qdata.shape[0]:
+            return f"weight_scale has {p.scale.numel()} values, not one per output row"
+        if p.quant_group_size != QUANT_GROUP:
+            return f"quant_group_size {p.quant_group_size} (kitchen's kernels take {QUANT_GROUP} only)"
+        return None
+
     def comfy_quant(self, qt):
         conf = {"format": self.spec.native_format, "convrot_groupsize": qt._params.convrot_groupsize}
         if qt._params.linear_dtype != "int4":
@@ -55,6 +85,25 @@ class W4A4ConvRotCodec(FormatCodec):
             linear_dtype=str(conf_value(conf, "linear_dtype", "int4")),
         )
         return QuantizedTensor(weight, LAYOUT, params)
+
+
+def act_bits(linear_dtype: str, device: torch.device) -> int:
+    """The activation bits comfy-kitchen uses for a ``convrot_w4a4`` weight on ``device``.
+
+    Kitchen's CUDA backend quantizes activations to INT4 where it has an INT4 product (compute
+    capability 7.5 and 8.x) and to INT8 where it runs the format through INT8 (Hopper and newer,
+    or a weight stored with ``linear_dtype: "int8"``); its CPU reference always uses INT4. LowBit
+    matches it, so switching to LowBit's kernels changes the speed, not the format's numerics.
+    """
+    if device.type == "cuda" and (linear_dtype == "int8" or capability(device) >= (9, 0)):
+        return 8
+    return 4
+
+
+def _kernel_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    p = weight._params
+    return w4a4_linear(x, weight._qdata, p.scale, bias, p.convrot_groupsize, out_dtype=x.dtype,
+                       act_bits=act_bits(p.linear_dtype, x.device))
 
 
 W4A4 = W4A4ConvRotCodec()

@@ -6,6 +6,13 @@ product is an INT8 GEMM. Storage: ``weight`` (int8 ``[N, K/2]``), ``weight_s_rel
 ``[N, K/16]``), ``weight_s_channel`` (fp32 ``[N]``), optional ``weight_codebook`` (``[16]``) and
 ``weight_correction``; ``comfy_quant`` ``{"format": "asym_w4a8_int8", "group_size": 16,
 "convrot_groupsize": 256}``.
+
+Run time: :meth:`W4A8AsymCodec.linear` runs LowBit's ``kernels.w4_linear.w4a8_linear`` on the
+layout's tensors (codes, group scales and codebook decoded in registers by our Triton kernel; an
+asymmetric weight with a ``correction`` runs kitchen's or the dequantized product). On the CPU the
+dispatcher tries kitchen's ``w4a8_int8_linear`` first, so CPU results are kitchen's bit for bit.
+Weights the kernels do not take run kitchen's handler (``F.linear``): comfy-kitchen 0.2.40's
+MMA-packed and 6-bit rows, a transposed weight.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import inspect
 import torch
 from comfy_kitchen.tensor import AsymW4A8Int8Layout, QuantizedTensor
 
-from .base import FormatCodec, FormatSpec, check_matrix, conf_value, require
+from ...kernels.w4_linear import w4a8_linear
+from .base import (FormatCodec, FormatSpec, check_matrix, conf_value, kitchen_weight_problem, linear_on_kernel,
+                   require)
 
 LAYOUT = "AsymW4A8Int8Layout"
 CONVROT_GROUP = 256
@@ -46,11 +55,24 @@ class W4A8AsymCodec(FormatCodec):
         return AsymW4A8Int8Layout.quantize(weight, **kwargs)
 
     def linear(self, x, weight, bias=None, input_scale=None):
-        # kitchen's W4A8 handler returns the weight's dtype, not the input's: give the weight the
-        # input's dtype (metadata only, no copy) so the output follows x like every other format.
-        if weight.dtype != x.dtype:
-            weight = QuantizedTensor(weight._qdata, LAYOUT, dataclasses.replace(weight._params, orig_dtype=x.dtype))
-        return torch.nn.functional.linear(x, weight, bias)
+        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's W4 kernel (``input_scale`` is unused)."""
+        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight),
+                                lambda: _kernel_linear(x, weight, bias),
+                                lambda: _kitchen_linear(x, weight, bias))
+
+    def _kernel_problem(self, x, weight) -> str | None:
+        problem = kitchen_weight_problem(x, weight, (LAYOUT,))
+        if problem is not None:
+            return problem
+        qdata, p = weight._qdata, weight._params
+        if getattr(p, "mma_packed", False):  # comfy-kitchen >= 0.2.40 only
+            return "the weight is packed for kitchen's small-M MMA kernel"
+        if qdata.dtype not in (torch.int8, torch.uint8) or 2 * qdata.shape[1] != x.shape[-1]:
+            # also kitchen 0.2.40's 6-bit rows (3K/4 bytes), which our kernel does not decode
+            return f"packed weight {qdata.dtype} {tuple(qdata.shape)} is not 4-bit codes for {x.shape[-1]} features"
+        if p.s_channel is None or p.s_channel.numel() != qdata.shape[0]:
+            return "the weight has no per-channel scale for every output row"
+        return None
 
     def comfy_quant(self, qt):
         return {"format": self.spec.native_format, "group_size": qt._params.group_size,
@@ -76,6 +98,20 @@ class W4A8AsymCodec(FormatCodec):
             from ..errors import CheckpointFormatError
             raise CheckpointFormatError(f"layer {layer!r} ({self.spec.name}): {err}") from err
         return QuantizedTensor(weight, LAYOUT, params)
+
+
+def _kernel_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    p = weight._params
+    return w4a8_linear(x, weight._qdata, p.scale, p.s_channel, p.codebook, p.correction, bias, p.group_size,
+                       p.convrot_groupsize, out_dtype=x.dtype)
+
+
+def _kitchen_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # kitchen's W4A8 handler returns the weight's dtype, not the input's: give the weight the
+    # input's dtype (metadata only, no copy) so the output follows x like every other format.
+    if isinstance(weight, QuantizedTensor) and weight.dtype != x.dtype:
+        weight = QuantizedTensor(weight._qdata, LAYOUT, dataclasses.replace(weight._params, orig_dtype=x.dtype))
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def _kitchen_version() -> str:
