@@ -45,7 +45,7 @@ def graphs() -> int:
 
 def measure_mode(mode: str, base, inputs, settings, device, a, report, refs: dict) -> None:
     from lowbit.nodes.compile import compile_model, compile_wrapper
-    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.nodes.model_quant import quantize_model, quantized_layers
     from lowbit.quant.policy import Policy
 
     row = report["modes"].setdefault(mode, {})
@@ -56,6 +56,7 @@ def measure_mode(mode: str, base, inputs, settings, device, a, report, refs: dic
         patcher = base
     else:
         row["quantize_s"], patcher = wall(lambda: quantize_model(base, Policy(mode=mode)), device)
+        row["quantized_layers"] = len(quantized_layers(patcher))
     eager_s, eager_out = time_call(denoiser_call(patcher, inputs), device, a.iters, a.warmup)
     row["eager_step_ms"] = eager_s * 1e3
     if mode == "bf16":

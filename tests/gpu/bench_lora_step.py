@@ -85,12 +85,13 @@ def lora_injection(patcher):
 
 def measure_format(fmt: str, base, entries, inputs, device, a, report) -> None:
     from lowbit.nodes.lora_nodes import LORA_FILES, apply_lora_stack
-    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.nodes.model_quant import quantize_model, quantized_layers
     from lowbit.quant.policy import Policy
 
     row = report["formats"].setdefault(fmt, {})
     reset_peak(device)
     row["quantize_s"], q = wall(lambda: quantize_model(base, Policy(mode=fmt)), device)
+    row["quantized_layers"] = len(quantized_layers(q))
     report.save()
     # Stochastic right after "none", from cold (files read and parsed), so its apply time is the node's full work
     variants = (("none", 0, None), ("stochastic_4", LORA_COUNT, "stochastic"), ("dynamic_1", 1, "dynamic"),
