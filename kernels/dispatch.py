@@ -178,7 +178,8 @@ class Dispatcher:
                     failures[name] = f"{type(err).__name__}: {err}"[:300]
                     log.info("LowBit kernel candidate %s failed for %s: %s", name, text, failures[name])
                     if any(marker in failures[name] for marker in _RESOURCE_ERRORS):
-                        self.broken.setdefault(_cap_name(key.capability), {})[f"{_family(key.fmt)} {name}"] = failures[name]
+                        broken = self.broken.setdefault(_cap_name(key.capability), {})
+                        broken[f"{_family(key.fmt)} {name}"] = failures[name]
             if not timings:
                 raise BackendUnavailableError(f"every implementation failed for {text}: {failures}")
             best = min(timings, key=timings.get)
@@ -268,7 +269,8 @@ def run_fast(fast_key: tuple, *args) -> torch.Tensor | None:
         out = plan(*args)
     except Exception as err:  # the full path decides again (and raises the user-facing error, if any)
         dispatcher.fast_plans.pop(fast_key, None)
-        log.info("LowBit fast kernel plan %s failed (%s: %s); taking the full path", fast_key[0], type(err).__name__, err)
+        log.info("LowBit fast kernel plan %s failed (%s: %s); taking the full path",
+                 fast_key[0], type(err).__name__, err)
         return None
     dispatcher.fast_hits += 1
     return out

@@ -121,7 +121,8 @@ class TritonLauncher:
     def _disable(self, why: str) -> None:
         if self.disabled_reason is None:
             self.disabled_reason = why
-            log.warning("LowBit fast Triton launch of %s failed (%s); using kernel[grid] from now on", self._name(), why)
+            log.warning("LowBit fast Triton launch of %s failed (%s); using kernel[grid] from now on",
+                        self._name(), why)
         self._compiled.clear()
 
     def _remember(self, key: tuple, compiled: Any, constexprs: dict[str, Any]) -> None:

@@ -106,10 +106,8 @@ def w8a8_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         raise ValueError(f"{fmt}: weight_scale must have 1 or {n} values, found {w_scale.numel()}")
     plan = _Plan(x2d, weight, w_scale, bias, out_dtype, pre, fp8)
     key = fmt + (f"+{pre.key()}" if pre.key() else "")
-    make_fast = None
-    if fast_key is not None:
-        def make_fast(name: str):
-            return _fast_plan(name, x2d, weight_scale, out_dtype, pre, fp8)
+    make_fast = None if fast_key is None else (
+        lambda name: _fast_plan(name, x2d, weight_scale, out_dtype, pre, fp8))
     return dispatch.run(key, x2d, n, plan.names, plan.make, plan.reasons, fast_key, make_fast)
 
 
