@@ -5,14 +5,17 @@ The caller runs the model (a few real denoising steps, see ``nodes/calibrate.py`
 and hands the recorded samples and the float weights to :func:`calibrate`, which
 
 1. measures each layer's relative output error and stored bytes under each candidate format
-   (``calibration_measure.py``; FP8 with its static ``input_scale``; SmoothQuant smoothing too when
-   ``smoothing="measure"``) and, when the caller can run the model (``output_error``), the
-   model-output error with only that layer in that format,
+   (``calibration_measure.py``; FP8 with its static ``input_scale``; SmoothQuant smoothing too
+   unless ``smoothing="off"``, and with ``smoothing="write"`` (the default) each format that may
+   carry a ``pre_quant_scale`` is measured *with* it where that lowers the layer's error) and, when
+   the caller can run the model (``output_error``), the model-output error with only that layer in
+   that format, as it will run,
 2. picks one format per layer so the diffusion model fits the :class:`Budget` at the least summed
    error (``calibration_choose.py``): the summed model-output errors when they were measured (the
    ``"model_output"`` objective), else the summed layer errors (``"layer_output"``),
 3. returns a :class:`CalibrationResult`: the structural policy plus ``layer_formats`` (the choice),
-   each layer's measurements, and the static ``input_scale`` of every FP8 layer.
+   each layer's measurements, the static ``input_scale`` of every FP8 layer and the
+   ``pre_quant_scale`` of every layer whose chosen format runs smoothed.
 
 **The policy file** (:meth:`CalibrationResult.save`, :func:`load_policy_file`) is JSON::
 
@@ -20,19 +23,30 @@ and hands the recorded samples and the float weights to :func:`calibrate`, which
      "policy": {... Policy.to_dict(), with "layer_formats": {layer: format} ...},
      "calibration": {"config": {...}, "objective": "model_output", "budget_bytes": ..., "fixed_bytes": ..., "used_bytes": ...,
                      "total_error": ..., "source": {...how the inputs were recorded...},
-                     "layers": {layer: {"shape": [N, K], "format": "w4a4", "rows": 256,
+                     "layers": {layer: {"shape": [N, K], "format": "int8_quarot", "rows": 256,
                                         "input_scale": 0.0123,            # FP8 layers only
+                                        "pre_quant_alpha": 0.5,           # smoothed layers only, with
+                                        "pre_quant_scale": {"dtype": "bfloat16", "base64": "..."},
                                         "measured": {format: {"error": ..., "output_error": ..., "bytes": ...,
-                                                              "smoothed_error": ..., "smoothing_alpha": ...}}}}}}
+                                                              "smoothed_error": ..., "smoothing_alpha": ...,
+                                                              "pre_quant_alpha": ...}}}}}}
 
 A bare ``Policy.to_dict()`` object is a policy file too (no calibration data). Layer names are
 relative to the diffusion model, as ``Policy`` patterns are.
 
-**Smoothing is measured, not applied.** ComfyUI's checkpoint form has a ``pre_quant_scale`` field,
-but stock ComfyUI (0.30) loads it only for ``nvfp4`` layers and LowBit's runtime does not apply it
-yet: a file whose int8/fp8/4-bit layers carried it would run wrong. The report shows, per layer,
-how much SmoothQuant smoothing would lower the measured error, so the gain is known for when a
-runtime applies it; ``calibration_measure.smoothed_weight`` gives the native weight form.
+**Smoothing (``pre_quant_scale``) is written where it lowers a layer's error and is safe.** With
+``smoothing="write"``, a layer gets a ``pre_quant_scale`` (the best strength ``a`` of
+``config.alphas``) when its chosen format may carry one and smoothing lowers its measured layer
+error by at least 5 % (``calibration_measure.MIN_PRE_QUANT_GAIN``; who may carry one:
+``calibration_pre_quant.carries_pre_quant_scale``): LowBit's own formats (``int8_quarot``,
+``int8_hadanorm``, ``fp8_rowwise``: only LowBit loads them, and LowBit's Linear applies the scale)
+always; native formats only when ``config.pre_quant_formats`` lists their ``comfy_quant`` format,
+which the node layer fills with what the running ComfyUI's loader applies. Stock ComfyUI 0.30
+applies it only for ``nvfp4``, so there no int8/fp8/w4a4/w4a8 layer gets one: stock would drop it
+and run the smoothed weight on unscaled inputs. The layer then stores
+``smoothed_weight(W, pre_quant_scale)`` in its format plus ``<layer>.pre_quant_scale`` (compute
+dtype); the policy file keeps the scale itself, so applying it writes the same bytes.
+``smoothing="measure"`` only reports the gain; ``"off"`` skips it.
 """
 
 from __future__ import annotations
@@ -48,8 +62,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .calibration_choose import Budget, choose_formats
-from .calibration_measure import (DEFAULT_ALPHAS, FLOAT, FormatMeasurement, OutputErrorProbe, measure_layer,
-                                  resolve_candidates, takes_input_scale)
+from .calibration_measure import (DEFAULT_ALPHAS, FLOAT, MIN_PRE_QUANT_GAIN, FormatMeasurement, OutputErrorProbe,
+                                  measure_layer, resolve_candidates, takes_input_scale)
+from .calibration_pre_quant import (carries_pre_quant_scale, check_pre_quant_scale, decode_scale, encode_scale,
+                                    pre_quant_scale)
 from .calibration_samples import DEFAULT_MAX_ROWS, ActivationSample
 from .errors import LowBitError, PolicyError
 from .formats import FORMATS
@@ -62,10 +78,10 @@ SCHEMA = "lowbit.policy"
 FILE_VERSION = 1
 CONFIG_VERSION = 1
 DEFAULT_CANDIDATES = ("w4a4", "int8_convrot")  # int4_mixed's pair, so a ratio budget compares like with like
-SMOOTHING_MODES = ("off", "measure")
+SMOOTHING_MODES = ("write", "measure", "off")  # see the module docstring
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 OBJECTIVES = ("model_output", "layer_output")  # what the choice minimises (see the module docstring)
-REPORT_MIN_SMOOTHING_GAIN = 1.05  # smoothing is reported where it lowers the error by at least 5 %
+REPORT_MIN_SMOOTHING_GAIN = MIN_PRE_QUANT_GAIN  # smoothing is reported (and written) where it lowers the error by 5 %
 
 
 @dataclass(frozen=True)
@@ -74,8 +90,11 @@ class CalibrationConfig:
 
     budget: Budget = Budget("ratio", 0.2)
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES  # format names, or "float" (keep in the compute dtype)
-    smoothing: str = "measure"  # "off" or "measure" (reported, see the module docstring)
+    smoothing: str = "write"  # "write", "measure" (reported only) or "off" (see the module docstring)
     alphas: tuple[float, ...] = DEFAULT_ALPHAS  # SmoothQuant migration strengths tried per layer
+    #: native ``comfy_quant`` formats whose loader (in the ComfyUI the result is for) applies a
+    #: ``pre_quant_scale``; LowBit's own formats carry one regardless. Empty: stock ComfyUI 0.30.
+    pre_quant_formats: frozenset[str] = frozenset()
     rows_per_layer: int = DEFAULT_MAX_ROWS
     compute_dtype: torch.dtype = torch.bfloat16
     seed: int = 0
@@ -94,6 +113,9 @@ class CalibrationConfig:
         if not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
             raise PolicyError(f"alphas (SmoothQuant strengths) must be numbers from 0 to 1, got {self.alphas!r}")
         object.__setattr__(self, "alphas", alphas)
+        if isinstance(self.pre_quant_formats, str) or not all(isinstance(f, str) for f in self.pre_quant_formats):
+            raise PolicyError(f"pre_quant_formats must be a set of comfy_quant format names, got {self.pre_quant_formats!r}")
+        object.__setattr__(self, "pre_quant_formats", frozenset(self.pre_quant_formats))
         if isinstance(self.rows_per_layer, bool) or not isinstance(self.rows_per_layer, int) or self.rows_per_layer < 1:
             raise PolicyError(f"rows_per_layer must be a positive integer, got {self.rows_per_layer!r}")
         if self.compute_dtype not in DTYPE_NAMES:
@@ -102,6 +124,7 @@ class CalibrationConfig:
     def to_dict(self) -> dict:
         return {"budget": str(self.budget) if self.budget.kind == "ratio" else int(self.budget.value),
                 "candidates": list(self.candidates), "smoothing": self.smoothing, "alphas": list(self.alphas),
+                "pre_quant_formats": sorted(self.pre_quant_formats),
                 "rows_per_layer": self.rows_per_layer, "compute_dtype": DTYPE_NAMES[self.compute_dtype],
                 "seed": self.seed, "version": self.version}
 
@@ -122,6 +145,8 @@ class CalibrationConfig:
         for key in ("candidates", "alphas"):
             if key in values:
                 values[key] = tuple(values[key])
+        if "pre_quant_formats" in values:
+            values["pre_quant_formats"] = frozenset(values["pre_quant_formats"])
         return cls(**values)
 
 
@@ -147,6 +172,17 @@ class LayerCalibration:
     format: str  # the chosen format, or "float"
     measured: tuple[FormatMeasurement, ...]
     rows: int  # input rows the measurement ran on
+    #: the ``[K]`` scale the chosen format runs with, when ``chosen.smoothed`` (compute dtype)
+    pre_quant_scale: torch.Tensor | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.format in self.by_format and self.chosen.smoothed != (self.pre_quant_scale is not None):
+            raise PolicyError(f"layer {self.name!r}: a pre_quant_scale goes with a chosen format measured smoothed "
+                              f"(pre_quant_alpha), and only with one; found format {self.format!r} "
+                              f"{'smoothed' if self.chosen.smoothed else 'not smoothed'} and "
+                              f"{'a' if self.pre_quant_scale is not None else 'no'} scale")
+        if self.pre_quant_scale is not None:
+            check_pre_quant_scale(self.name, self.pre_quant_scale, self.shape[1])
 
     @property
     def by_format(self) -> dict[str, FormatMeasurement]:
@@ -157,9 +193,14 @@ class LayerCalibration:
         return self.by_format[self.format]
 
     def cost(self, fmt: str, objective: str) -> float:
-        """The error the choice minimises for format ``fmt`` under ``objective``."""
+        """The error the choice minimises for format ``fmt`` under ``objective`` (as the layer will run)."""
         m = self.by_format[fmt]
-        return m.output_error if objective == "model_output" else m.error
+        return m.output_error if objective == "model_output" else m.layer_error
+
+    @property
+    def pre_quant_alpha(self) -> float | None:
+        """The SmoothQuant strength of the written ``pre_quant_scale`` (``None``: the layer has none)."""
+        return self.chosen.pre_quant_alpha
 
     @property
     def input_scale(self) -> float | None:
@@ -170,6 +211,9 @@ class LayerCalibration:
         out: dict[str, Any] = {"shape": list(self.shape), "format": self.format, "rows": self.rows}
         if self.input_scale is not None:
             out["input_scale"] = self.input_scale
+        if self.pre_quant_scale is not None:
+            out["pre_quant_alpha"] = self.pre_quant_alpha
+            out["pre_quant_scale"] = encode_scale(self.pre_quant_scale)
         out["measured"] = {m.format: {k: v for k, v in dataclasses.asdict(m).items() if k != "format" and v is not None}
                            for m in self.measured}
         return out
@@ -178,14 +222,19 @@ class LayerCalibration:
     def from_dict(cls, name: str, data: Mapping) -> "LayerCalibration":
         try:
             measured = tuple(FormatMeasurement(format=fmt, **values) for fmt, values in data["measured"].items())
-            layer = cls(name=name, shape=tuple(int(d) for d in data["shape"]), format=data["format"],
-                        measured=measured, rows=int(data.get("rows", 0)))
+            shape, fmt, rows = tuple(int(d) for d in data["shape"]), data["format"], int(data.get("rows", 0))
         except (KeyError, TypeError, ValueError) as err:
             raise PolicyError(f"policy file: calibration of layer {name!r} is malformed ({err!r}); expected "
                               f"shape, format and measured") from None
-        if layer.format not in layer.by_format:
-            raise PolicyError(f"policy file: layer {name!r} chose {layer.format!r}, which was not measured "
-                              f"(measured: {', '.join(layer.by_format)})")
+        if fmt not in {m.format for m in measured}:
+            raise PolicyError(f"policy file: layer {name!r} chose {fmt!r}, which was not measured "
+                              f"(measured: {', '.join(m.format for m in measured)})")
+        scale = data.get("pre_quant_scale")
+        layer = cls(name=name, shape=shape, format=fmt, measured=measured, rows=rows,
+                    pre_quant_scale=None if scale is None else decode_scale(name, scale))
+        if "pre_quant_alpha" in data and data["pre_quant_alpha"] != layer.pre_quant_alpha:
+            raise PolicyError(f"policy file: layer {name!r} records pre_quant_alpha {data['pre_quant_alpha']!r} but "
+                              f"its chosen format was measured with {layer.pre_quant_alpha!r}; the file was edited")
         return layer
 
 
@@ -219,6 +268,10 @@ class CalibrationResult:
     def input_scales(self) -> dict[str, float]:
         """``{layer: input_scale}`` for every layer whose chosen format takes a static input scale."""
         return {layer.name: layer.input_scale for layer in self.layers if layer.input_scale is not None}
+
+    def pre_quant_scales(self) -> dict[str, torch.Tensor]:
+        """``{layer: pre_quant_scale}`` for every layer whose chosen format runs smoothed."""
+        return {layer.name: layer.pre_quant_scale for layer in self.layers if layer.pre_quant_scale is not None}
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -273,7 +326,7 @@ class CalibrationResult:
         return {"schema": SCHEMA, "version": FILE_VERSION, "config": self.config.to_dict(),
                 "objective": self.objective, "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes, "fixed_bytes": self.fixed_bytes,
                 "total_error": self.total_error, "layers": self.counts(), "input_scales": len(self.input_scales()),
-                "source": dict(self.source)}
+                "pre_quant_scales": len(self.pre_quant_scales()), "source": dict(self.source)}
 
     # ---- reporting ------------------------------------------------------------------------
     def summary(self) -> str:
@@ -282,18 +335,19 @@ class CalibrationResult:
         what = "model-output" if self.objective == "model_output" else "layer-output"
         return (f"calibrated {len(self.layers)} layers to {self.config.budget} ({_size(budget)} for the diffusion "
                 f"model): {_size(self.used_bytes + self.fixed_bytes)} used; summed {what} error "
-                f"{self.total_error:.4g}; {counts}; {len(self.input_scales())} static FP8 input scales")
+                f"{self.total_error:.4g}; {counts}; {len(self.input_scales())} static FP8 input scales; "
+                f"{len(self.pre_quant_scales())} pre_quant_scales")
 
     def table(self) -> str:
         """A markdown report: the chosen policy and every layer's measured error per format."""
         formats = [f for f in (*self.config.candidates, *sorted({m.format for l in self.layers for m in l.measured}))
                    if any(f in l.by_format for l in self.layers)]
         formats = list(dict.fromkeys(formats))
-        smoothing = self.config.smoothing == "measure"
+        smoothing = self.config.smoothing != "off"
         model = self.objective == "model_output"
         header = ["layer", "shape", "chosen", "bytes", *(f"{f} error" for f in formats)]
         header += [f"{f} model error" for f in formats] if model else []
-        header += ["input_scale"] + (["smoothing (error with / without)"] if smoothing else [])
+        header += ["input_scale"] + (["pre_quant_scale: layer error with / without"] if smoothing else [])
         lines = [f"**{self.summary()}**", "",
                  "*error*: the layer's own relative output error; *model error*: the relative error of the model "
                  "output with only that layer in that format." if model else
@@ -307,15 +361,30 @@ class CalibrationResult:
                 cells += [f"{by_format[f].output_error:.3e}" if f in by_format else "-" for f in formats]
             cells.append(f"{layer.input_scale:.4g}" if layer.input_scale is not None else "-")
             if smoothing:
-                gain = layer.chosen.smoothing_gain
-                cells.append(f"a={layer.chosen.smoothing_alpha:g}: {layer.chosen.smoothed_error:.3e} "
-                             f"({gain:.2f}x lower)" if gain is not None and gain >= REPORT_MIN_SMOOTHING_GAIN else "-")
+                cells.append(_smoothing_cell(layer))
             lines.append("| " + " | ".join(cells) + " |")
         if smoothing:
-            helped = [l for l in self.layers if (l.chosen.smoothing_gain or 0) >= REPORT_MIN_SMOOTHING_GAIN]
-            lines += ["", f"SmoothQuant smoothing would lower the measured error of {len(helped)} of {len(self.layers)} "
-                          f"layers by at least {REPORT_MIN_SMOOTHING_GAIN - 1:.0%} (measured only: see docs/calibration.md)."]
+            written = [l for l in self.layers if l.pre_quant_scale is not None]
+            helped = [l for l in self.layers if l.pre_quant_scale is None
+                      and (l.chosen.smoothing_gain or 0) >= REPORT_MIN_SMOOTHING_GAIN]
+            lines += ["", f"**pre_quant_scale** (SmoothQuant smoothing) is written for {len(written)} of "
+                          f"{len(self.layers)} layers (each where it lowers the layer's error and its format may carry "
+                          f"it). It would lower the error of {len(helped)} more layers by at least "
+                          f"{REPORT_MIN_SMOOTHING_GAIN - 1:.0%}, whose format "
+                          + ("this ComfyUI's loader does not apply it to (stock ComfyUI applies it to nvfp4 only)"
+                             if self.config.smoothing == "write" else "is not smoothed with smoothing 'measure'")
+                          + ": see docs/calibration.md."]
         return "\n".join(lines)
+
+
+def _smoothing_cell(layer: LayerCalibration) -> str:
+    m = layer.chosen
+    if m.smoothed:
+        return f"**written** a={m.pre_quant_alpha:g}: {m.smoothed_error:.3e} / {m.error:.3e} ({m.smoothing_gain:.2f}x lower)"
+    gain = m.smoothing_gain
+    if gain is not None and gain >= REPORT_MIN_SMOOTHING_GAIN:
+        return f"not written; a={m.smoothing_alpha:g} would give {m.smoothed_error:.3e} / {m.error:.3e} ({gain:.2f}x lower)"
+    return "-"
 
 
 def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, ActivationSample], config: CalibrationConfig,
@@ -332,10 +401,16 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
     per value of a layer kept in float. ``device``: where to measure (default: each weight's device).
     ``output_error(name)``: the model-output probe of layer ``name`` (see
     ``calibration_measure.OutputErrorProbe``); with it the choice minimises model-output errors.
+    With ``config.smoothing == "write"``, the formats that may carry a ``pre_quant_scale`` (LowBit's
+    own, and ``config.pre_quant_formats``) are measured and chosen as they run with one, where it
+    lowers their layer error, and the chosen layers get theirs (see the module docstring).
     """
-    alphas = config.alphas if config.smoothing == "measure" else ()
+    alphas = config.alphas if config.smoothing != "off" else ()
+    smoothable = frozenset(f for f in FORMATS if config.smoothing == "write"
+                           and carries_pre_quant_scale(f, config.pre_quant_formats))
     names = list(samples)
     layers: dict[str, tuple[tuple[int, int], dict[str, FormatMeasurement], int]] = {}
+    scales: dict[str, dict[float, torch.Tensor]] = {}  # layer -> the pre_quant_scale of each applied alpha
     for done, name in enumerate(names, 1):
         weight = weights[name]
         shape = tuple(int(d) for d in weight.shape)
@@ -344,13 +419,17 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
         else:
             probe = output_error(name) if output_error is not None else None
             measured = measure_layer(weight, samples[name], config.candidates, compute_dtype=config.compute_dtype,
-                                     alphas=alphas, float_itemsize=float_itemsize, device=device, output_error=probe)
+                                     alphas=alphas, float_itemsize=float_itemsize, device=device, output_error=probe,
+                                     smoothable=smoothable)
             layers[name] = (shape, measured, int(samples[name].rows.shape[0]))
+            amax = samples[name].channel_amax.to(weight.device)
+            scales[name] = {m.pre_quant_alpha: pre_quant_scale(amax, weight, m.pre_quant_alpha, config.compute_dtype).cpu()
+                            for m in measured.values() if m.smoothed}
         del weight
         if progress is not None:
             progress(done, len(names))
     objective = "model_output" if output_error is not None else "layer_output"
-    errors = {name: {f: (m.output_error if objective == "model_output" else m.error) for f, m in measured.items()}
+    errors = {name: {f: (m.output_error if objective == "model_output" else m.layer_error) for f, m in measured.items()}
               for name, (_, measured, _) in layers.items()}
     sizes = {name: {f: m.bytes for f, m in measured.items()} for name, (_, measured, _) in layers.items()}
     budget_bytes = config.budget.resolve({name: shape for name, (shape, _, _) in layers.items()}, fixed_bytes)
@@ -359,7 +438,8 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
                           f"rest of the model ({fixed_bytes:,} bytes) is counted; raise the budget")
     chosen = choose_formats(errors, sizes, budget_bytes) if layers else {}
     calibrated = dataclasses.replace(policy, layer_formats=chosen)
-    results = tuple(LayerCalibration(name, shape, chosen[name], tuple(measured.values()), rows)
+    results = tuple(LayerCalibration(name, shape, chosen[name], tuple(measured.values()), rows,
+                                     scales[name].get(measured[chosen[name]].pre_quant_alpha))
                     for name, (shape, measured, rows) in layers.items())
     return CalibrationResult(calibrated, config, budget_bytes, int(fixed_bytes), results, dict(source or {}), objective)
 

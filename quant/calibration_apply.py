@@ -1,8 +1,12 @@
-"""Write a calibrated policy into a checkpoint: formats from ``layer_formats``, static FP8 input scales.
+"""Write a calibrated policy into a checkpoint: formats from ``layer_formats``, static FP8 input
+scales, SmoothQuant ``pre_quant_scale``.
 
 :func:`convert_calibrated` is :func:`quant.convert.convert_file` plus, for every FP8 layer the
 calibration gave a static scale, the native ``<layer>.input_scale`` (fp32 scalar) that stock
-ComfyUI and LowBit quantize the layer's activations with. The header carries ``lowbit_policy``
+ComfyUI and LowBit quantize the layer's activations with, and for every layer the calibration
+smoothed, ``<layer>.pre_quant_scale`` next to the weight ``W diag(1 / pre_quant_scale)`` quantized
+in the layer's format (see ``calibration_pre_quant.py``; a native-format layer only when
+``pre_quant_formats`` says the target ComfyUI applies the scale to that format). The header carries ``lowbit_policy``
 (the policy, with its ``layer_formats``), ``lowbit_plan`` and ``lowbit_calibration`` (a summary:
 budget, bytes, total error, formats, how the inputs were recorded). Streaming, atomic, and
 refusing the same inputs as ``convert_file`` (it uses that module's checks).
@@ -10,6 +14,7 @@ refusing the same inputs as ``convert_file`` (it uses that module's checks).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -17,7 +22,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from .calibration_measure import takes_input_scale
+from .calibration_measure import smoothed_weight, takes_input_scale
+from .calibration_pre_quant import carries_pre_quant_scale, check_pre_quant_scale, pre_quant_entry
 from .checkpoint import open_checkpoint
 from .convert import ConversionReport, convert_file
 from .errors import PolicyError
@@ -38,25 +44,81 @@ def input_scale_entry(layer: str, scale: float) -> dict[str, torch.Tensor]:
 
 
 def convert_calibrated(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy, *,
-                       input_scales: Mapping[str, float] | None = None, calibration_summary: Mapping | None = None,
+                       input_scales: Mapping[str, float] | None = None,
+                       pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
+                       pre_quant_formats: frozenset[str] = frozenset(), calibration_summary: Mapping | None = None,
                        compute_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                        overwrite: bool = False,
                        progress: Callable[[int, int], None] | None = None) -> ConversionReport:
-    """Quantize ``src`` under ``policy`` into ``dst``, adding ``input_scales`` (layer names relative to the
-    diffusion model, as in the policy) to the FP8 layers the plan quantizes."""
+    """Quantize ``src`` under ``policy`` into ``dst``, adding ``input_scales`` to the FP8 layers the plan
+    quantizes and ``pre_quant_scales`` (``CalibrationResult.pre_quant_scales()``) to the layers whose
+    format may carry one (``pre_quant_formats``: the native formats the target ComfyUI applies it to;
+    LowBit's own formats always). Layer names are relative to the diffusion model, as in the policy.
+    """
     with open_checkpoint(src) as reader:  # header only: the same plan convert_file makes
         shapes = dict(sorted(reader.shapes().items()))
     chosen = {d.name: d.format for d in policy.plan(shapes).quantized}
-    scales = _scales_for(chosen, input_scales or {}, model_prefix(shapes))
+    prefix = model_prefix(shapes)
+    scales = _scales_for(chosen, input_scales or {}, prefix)
+    smoothing, refused = _pre_quant_for(chosen, pre_quant_scales or {}, prefix, frozenset(pre_quant_formats))
+    for layer in refused:  # an FP8 scale calibrated on smoothed inputs does not fit the unsmoothed layer
+        if scales.pop(layer, None) is not None:
+            log.warning("LowBit: %s runs unsmoothed, so its calibrated input_scale is dropped (dynamic scale)", layer)
     extra = None
     if calibration_summary is not None:
         extra = {LOWBIT_CALIBRATION_KEY: json.dumps(dict(calibration_summary), sort_keys=True)}
 
     def entries(layer: str, fmt: str) -> dict[str, torch.Tensor]:
-        return input_scale_entry(layer, scales[layer]) if layer in scales else {}
+        out = input_scale_entry(layer, scales[layer]) if layer in scales else {}
+        if layer in smoothing:
+            out.update(pre_quant_entry(layer, smoothing[layer]))
+        return out
 
+    hooks = {}
+    if smoothing:
+        def transform_weight(layer: str, fmt: str, weight: torch.Tensor) -> torch.Tensor:
+            scale = smoothing.get(layer)
+            if scale is None:
+                return weight
+            check_pre_quant_scale(layer, scale, weight.shape[1])
+            return smoothed_weight(weight, scale.to(weight.device))
+
+        hooks["transform_weight"] = _require_transform_hook(transform_weight)
     return convert_file(src, dst, policy, compute_dtype=compute_dtype, device=device, overwrite=overwrite,
-                        progress=progress, extra_entries=entries, extra_metadata=extra)
+                        progress=progress, extra_entries=entries, extra_metadata=extra, **hooks)
+
+
+def _require_transform_hook(hook):
+    if "transform_weight" not in inspect.signature(convert_file).parameters:
+        raise PolicyError(
+            "this policy smooths layers (pre_quant_scale), which needs quant.convert.convert_file's transform_weight "
+            "hook to quantize the smoothed weight, and this LowBit's convert_file has none. Quantize with the "
+            "in-memory path (Quantize with Policy, then Save Quantized Model), or recalibrate with smoothing 'measure'.")
+    return hook
+
+
+def _pre_quant_for(chosen: Mapping[str, str], pre_quant_scales: Mapping[str, torch.Tensor], prefix: str,
+                   native_formats: frozenset[str]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(full layer name -> pre_quant_scale for the layers of the plan whose format may carry one,
+    the full names of those whose format may not)."""
+    out, refused = {}, []
+    for layer, fmt in chosen.items():
+        relative = layer[len(prefix):] if layer.startswith(prefix) else layer
+        if relative not in pre_quant_scales:
+            continue
+        if carries_pre_quant_scale(fmt, native_formats):
+            out[layer] = pre_quant_scales[relative]
+        else:
+            refused.append(layer)
+    if refused:
+        log.warning("LowBit: %d layer(s) were calibrated with a pre_quant_scale, but their format's loader would not "
+                    "apply it (e.g. %s as %s); they are written unsmoothed", len(refused), refused[0],
+                    chosen[refused[0]])
+    unused = sorted(set(pre_quant_scales) - {l[len(prefix):] if l.startswith(prefix) else l for l in chosen})
+    if unused:
+        log.warning("LowBit: %d pre_quant_scale(s) name layers this plan does not quantize (e.g. %s); not written",
+                    len(unused), unused[0])
+    return out, refused
 
 
 def _scales_for(chosen: Mapping[str, str], input_scales: Mapping[str, float], prefix: str) -> dict[str, float]:

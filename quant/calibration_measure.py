@@ -24,15 +24,23 @@ Activation-side parameters that ComfyUI's checkpoint format has fields for:
   per-tensor, ``float8_e4m3fn``): the abs-max of every calibration input / 448, so no per-call
   abs-max pass is needed. The fp8 error is measured with that static scale, as it will run.
 * **pre_quant_scale** (SmoothQuant smoothing): ComfyUI multiplies the input by ``pre_quant_scale``
-  before the linear, so with ``s_j = max|X_j|^a / max|W_j|^(1-a)`` (normalised to geometric mean 1)
-  the layer stores ``pre_quant_scale = 1 / s`` and the weight ``W diag(s)``; ``x W^T`` is unchanged.
-  Each ``a`` of a small grid is measured and the best kept when it lowers the error.
+  before the linear, so with ``s_j = max|X_j|^a / max|W_j|^(1-a)`` (normalised to geometric mean 1;
+  ``max|X_j|`` raised to at least :data:`SMOOTHING_CHANNEL_FLOOR` of the median channel's)
+  the layer stores ``pre_quant_scale = 1 / s`` (rounded to the compute dtype, the dtype it is
+  stored and applied in) and the weight ``W diag(1 / pre_quant_scale)``; ``x W^T`` is unchanged.
+  Each ``a`` of a small grid is measured and the best kept (``smoothed_error``). For the formats
+  the caller says may carry it (``smoothable``), it is *applied* when it lowers the layer's error by
+  at least :data:`MIN_PRE_QUANT_GAIN` (5 %; below that the gain is within the measurement's noise)
+  and the layer saw at least :data:`MIN_PRE_QUANT_ROWS` input rows:
+  the measurement then describes the layer as it will run (``pre_quant_alpha`` set; ``bytes``,
+  ``input_scale`` and ``output_error`` with the scale), ``error`` staying the unsmoothed one.
 
 Nothing here imports ComfyUI.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -49,6 +57,16 @@ FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 #: native formats whose stored ``input_scale`` stock ComfyUI (and LowBit) quantize activations with
 STATIC_INPUT_SCALE_NATIVE = ("float8_e4m3fn",)
 DEFAULT_ALPHAS = (0.25, 0.5, 0.75)
+#: smoothing is applied where ``error / smoothed_error`` reaches this (a smaller gain is noise on a few
+#: hundred rows: fp8_rowwise layers without outliers measure 0.99x to 1.01x)
+MIN_PRE_QUANT_GAIN = 1.05
+#: and where the layer saw at least this many input rows while calibrating (a modulation layer sees
+#: one row per denoiser call: channel maxima of a handful of rows say nothing about the next prompt)
+MIN_PRE_QUANT_ROWS = 64
+#: activation channel maxima below this share of the median channel's are raised to it before
+#: smoothing: a channel that was quiet on the calibration inputs is not amplified by more than
+#: ``(1 / share) ** a`` (unbounded, it was amplified 1000x and blew up on other prompts' inputs)
+SMOOTHING_CHANNEL_FLOOR = 0.1
 _FLOOR = 1e-5  # channel maxima below this share of the largest are raised to it (no zero divisors)
 
 #: ``probe(replacement) -> relative model-output error`` with the layer computing ``replacement(x)``
@@ -67,6 +85,7 @@ class FormatMeasurement:
     smoothed_error: float | None = None  # best error with SmoothQuant smoothing (None: not measured)
     smoothing_alpha: float | None = None  # the ``a`` that gave ``smoothed_error``
     output_error: float | None = None  # model-output error with only this layer in this format (None: not measured)
+    pre_quant_alpha: float | None = None  # set: the layer runs with pre_quant_scale of this ``a`` (see above)
 
     @property
     def smoothing_gain(self) -> float | None:
@@ -74,6 +93,16 @@ class FormatMeasurement:
         if self.smoothed_error is None:
             return None
         return math.inf if self.smoothed_error == 0 else self.error / self.smoothed_error
+
+    @property
+    def smoothed(self) -> bool:
+        """Whether the layer runs (and is stored) with a ``pre_quant_scale`` in this format."""
+        return self.pre_quant_alpha is not None
+
+    @property
+    def layer_error(self) -> float:
+        """The layer's own error as it will run: ``smoothed_error`` when smoothed, else ``error``."""
+        return self.smoothed_error if self.smoothed else self.error
 
 
 def takes_input_scale(fmt: str) -> bool:
@@ -92,18 +121,20 @@ def static_input_scale(channel_amax: torch.Tensor, pre_quant_scale: torch.Tensor
 
 def smoothing_scale(channel_amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant's per-input-channel ``s = max|X_j|^a / max|W_j|^(1-a)``, geometric mean 1 (fp32 ``[K]``)."""
-    x_max = _floored(channel_amax.float())
+    amax = channel_amax.float()
+    x_max = amax.clamp(min=float(amax.median().clamp(min=1e-30)) * SMOOTHING_CHANNEL_FLOOR) if amax.numel() else amax
     w_max = _floored(weight.float().abs().amax(dim=0))
     s = x_max.pow(alpha) / w_max.pow(1.0 - alpha)
     return s / s.log().mean().exp()
 
 
-def stored_bytes(fmt: str, shape: tuple[int, int], *, float_itemsize: int = 2) -> int:
-    """Bytes a ``[N, K]`` weight takes in format ``fmt`` (tensors + ``comfy_quant``; ``"float"``: ``N*K*itemsize``)."""
+def stored_bytes(fmt: str, shape: tuple[int, int], *, float_itemsize: int = 2, pre_quant_itemsize: int = 0) -> int:
+    """Bytes a ``[N, K]`` weight takes in format ``fmt`` (tensors + ``comfy_quant``; ``"float"``: ``N*K*itemsize``),
+    plus a ``[K]`` ``pre_quant_scale`` of ``pre_quant_itemsize`` bytes per value when that is not 0."""
     n, k = (int(d) for d in shape)
     if fmt == FLOAT:
         return n * k * float_itemsize
-    return layer_bytes(fmt, (n, k)) + (4 if takes_input_scale(fmt) else 0)
+    return layer_bytes(fmt, (n, k)) + (4 if takes_input_scale(fmt) else 0) + k * pre_quant_itemsize
 
 
 def resolve_candidates(candidates: tuple[str, ...], shape: tuple[int, int]) -> tuple[str, ...]:
@@ -137,19 +168,22 @@ def measure_layer_errors(weight: torch.Tensor, inputs: torch.Tensor, candidate_f
     ``input_scale``; without it FP8 is measured with the per-call abs-max of ``inputs``.
     """
     measured = _measure(weight, inputs, channel_amax, tuple(candidate_formats), compute_dtype=compute_dtype,
-                        alphas=(), float_itemsize=2, device=None, probe=None)
+                        alphas=(), float_itemsize=2, device=None, probe=None, smoothable=frozenset(), rows_seen=0)
     return {fmt: m.error for fmt, m in measured.items()}
 
 
 def measure_layer(weight: torch.Tensor, sample: ActivationSample, candidate_formats, *,
                   compute_dtype: torch.dtype = torch.bfloat16, alphas: tuple[float, ...] = (),
                   float_itemsize: int = 2, device: torch.device | str | None = None,
-                  output_error: OutputErrorProbe | None = None) -> dict[str, FormatMeasurement]:
+                  output_error: OutputErrorProbe | None = None,
+                  smoothable: frozenset[str] = frozenset()) -> dict[str, FormatMeasurement]:
     """Every candidate (after fallback) measured on the layer's sample (on ``device`` when given);
-    SmoothQuant smoothing too, for each strength in ``alphas``; the model-output error through
-    ``output_error`` when given."""
+    SmoothQuant smoothing too, for each strength in ``alphas``, applied to the formats in
+    ``smoothable`` where it lowers the error (see the module docstring); the model-output error
+    through ``output_error`` when given."""
     return _measure(weight, sample.rows, sample.channel_amax, tuple(candidate_formats), compute_dtype=compute_dtype,
-                    alphas=tuple(alphas), float_itemsize=float_itemsize, device=device, probe=output_error)
+                    alphas=tuple(alphas), float_itemsize=float_itemsize, device=device, probe=output_error,
+                    smoothable=frozenset(smoothable), rows_seen=sample.rows_seen)
 
 
 def smoothed_weight(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:
@@ -157,7 +191,8 @@ def smoothed_weight(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torc
     return weight.float() / pre_quant_scale.float()[None, :]
 
 
-def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas, float_itemsize, device, probe):
+def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas, float_itemsize, device, probe,
+             smoothable, rows_seen):
     if weight.dim() != 2 or inputs.dim() != 2 or inputs.shape[1] != weight.shape[1]:
         raise LowBitError(f"measuring a layer needs a [N, K] weight and [M, K] inputs, got weight "
                           f"{tuple(weight.shape)} and inputs {tuple(inputs.shape)}")
@@ -177,15 +212,21 @@ def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas,
                 continue
             product, size, scale = _quantized_product(fmt, w, amax, None, compute_dtype)
             error = relative_error(reference, product(x).float())
-            best = (None, None)
+            best = None  # (smoothed error, alpha, product, bytes, input scale)
             for alpha in alphas if amax is not None else ():
-                s = smoothing_scale(amax, w, alpha)
-                smoothed, _, _ = _quantized_product(fmt, w * s[None, :], amax, 1.0 / s, compute_dtype)
-                smoothed_error = relative_error(reference, smoothed(x).float())
-                if best[0] is None or smoothed_error < best[0]:
-                    best = (smoothed_error, alpha)
-            out[fmt] = FormatMeasurement(fmt, error, size, scale, *best,
-                                         output_error=probe(product) if probe is not None else None)
+                # 1 / s rounded to the dtype it is stored and applied in, before the weight is divided by it
+                pre_quant = (1.0 / smoothing_scale(amax, w, alpha)).to(compute_dtype)
+                smoothed = _quantized_product(fmt, smoothed_weight(w, pre_quant), amax, pre_quant, compute_dtype)
+                smoothed_error = relative_error(reference, smoothed[0](x).float())
+                if best is None or smoothed_error < best[0]:
+                    best = (smoothed_error, alpha, *smoothed)
+            measured = FormatMeasurement(fmt, error, size, scale, *(best[:2] if best else (None, None)))
+            if (best is not None and fmt in smoothable and best[0] * MIN_PRE_QUANT_GAIN <= error
+                    and rows_seen >= MIN_PRE_QUANT_ROWS):  # applied: measured as it will run
+                _, alpha, product, size, scale = best
+                measured = dataclasses.replace(measured, bytes=size + w.shape[1] * pre_quant.element_size(),
+                                               input_scale=scale, pre_quant_alpha=alpha)
+            out[fmt] = dataclasses.replace(measured, output_error=probe(product) if probe is not None else None)
     return out
 
 
