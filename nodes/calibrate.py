@@ -12,7 +12,13 @@ model is not changed.
 
 **Quantize with Policy** quantizes a MODEL in memory under such a policy (``layer_formats``), and
 gives every FP8 layer its calibrated static ``input_scale`` (a parameter LowBit's forward and
-ComfyUI's both use, and that Save Quantized Model writes natively).
+ComfyUI's both use, and that Save Quantized Model writes natively), and every layer the
+calibration smoothed its ``pre_quant_scale`` (stored weight ``W diag(1 / pre_quant_scale)``).
+
+Which formats may carry a ``pre_quant_scale`` is decided against the running ComfyUI
+(:func:`pre_quant_formats`: the native formats whose loader applies it; LowBit's own formats
+always), when calibrating and again when applying: on stock ComfyUI 0.30 only LowBit's own
+formats (int8_quarot, int8_hadanorm, fp8_rowwise) get one (see ``quant/calibration_pre_quant.py``).
 
 ``calibrate_model`` and ``apply_policy`` are the same work without the node wrappers (the CLI
 uses ``calibrate_model``).
@@ -31,8 +37,9 @@ import comfy.model_management
 import comfy.sample
 from comfy_api.latest import io, ui
 
-from ..quant.calibrate import OBJECTIVES, CalibrationConfig, CalibrationResult, calibrate, parse_policy
+from ..quant.calibrate import OBJECTIVES, SMOOTHING_MODES, CalibrationConfig, CalibrationResult, calibrate, parse_policy
 from ..quant.calibration_measure import takes_input_scale
+from ..quant.calibration_pre_quant import PRE_QUANT_SCALE, carries_pre_quant_scale
 from ..quant.calibration_samples import record_linear_inputs
 from ..quant.errors import LowBitError
 from ..quant.policy import Policy
@@ -146,6 +153,14 @@ def run_denoising(model_patcher, positive, latent: dict, steps: int, seed: int) 
                         denoise=1.0, disable_pbar=True, seed=seed)
 
 
+def pre_quant_formats() -> frozenset[str]:
+    """The ``comfy_quant`` formats whose loader in the running ComfyUI applies a ``pre_quant_scale``
+    (``comfy.quant_ops.QUANT_ALGOS[format]["parameters"]``; stock 0.30: ``nvfp4`` only)."""
+    from comfy.quant_ops import QUANT_ALGOS
+
+    return frozenset(fmt for fmt, algo in QUANT_ALGOS.items() if PRE_QUANT_SCALE in algo.get("parameters", ()))
+
+
 def calibrate_model(model_patcher, config: CalibrationConfig, *, preset: str = AUTO, positive=None,
                     latent: dict | None = None, steps: int = 4, resolution: int = DEFAULT_RESOLUTION,
                     objective: str = "model_output",
@@ -155,8 +170,10 @@ def calibrate_model(model_patcher, config: CalibrationConfig, *, preset: str = A
     ``objective``: ``model_output`` replays the recorded denoiser calls once per layer and candidate
     with only that layer quantized, and minimises the summed model-output errors; ``layer_output``
     skips the replays and minimises the layers' own errors (faster, blind to how far a layer's
-    error travels).
+    error travels). ``config.pre_quant_formats`` is replaced by what this ComfyUI applies
+    (:func:`pre_quant_formats`).
     """
+    config = dataclasses.replace(config, pre_quant_formats=pre_quant_formats())
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise NodeInputError(f"steps must be a positive integer, got {steps!r}")
     if objective not in OBJECTIVES:
@@ -216,8 +233,11 @@ def _other_bytes(dm: torch.nn.Module, calibrated: set[str]) -> int:
 
 
 def apply_policy(model_patcher, policy: Policy, input_scales: dict[str, float] | None = None, *,
+                 pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
                  progress: Callable[[int, int], None] | None = None):
-    """A quantized copy of ``model_patcher`` under ``policy``, FP8 layers carrying their static input scales."""
+    """A quantized copy of ``model_patcher`` under ``policy``, FP8 layers carrying their static input scales
+    and the layers in ``pre_quant_scales`` stored smoothed with theirs, where this ComfyUI allows it for
+    the layer's format (else that layer is quantized unsmoothed, without its input scale, and a warning logged)."""
     named = set(policy.layer_format_map)
     if named:
         known = set(linear_layers(diffusion_model_of(model_patcher)))
@@ -228,12 +248,37 @@ def apply_policy(model_patcher, policy: Policy, input_scales: dict[str, float] |
         if named - known:
             log.warning("LowBit: %d layers of the policy are not in this model (e.g. %s); ignored",
                         len(named - known), min(named - known))
-    result = quantize_model(model_patcher, policy, progress=progress)
-    _set_input_scales(result, input_scales or {})
+    input_scales = dict(input_scales or {})
+    smoothing = _carried_pre_quant_scales(model_patcher, policy, pre_quant_scales or {}, input_scales)
+    result = quantize_model(model_patcher, policy, progress=progress, pre_quant_scales=smoothing)
+    _set_input_scales(result, input_scales)
     recipe = getattr(result, "cached_patcher_init", None)
     if recipe is not None:  # a reload (ComfyUI's cached_patcher_init) must bring the scales back too
-        result.cached_patcher_init = (_reload_with_scales, (recipe, dict(input_scales or {})))
+        result.cached_patcher_init = (_reload_with_scales, (recipe, input_scales))
     return result
+
+
+def _carried_pre_quant_scales(model_patcher, policy: Policy, pre_quant_scales: Mapping[str, torch.Tensor],
+                              input_scales: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The scales whose layer's planned format this ComfyUI applies a pre_quant_scale to; drops the
+    input scales of the others (calibrated on smoothed inputs, they do not fit an unsmoothed layer)."""
+    if not pre_quant_scales:
+        return {}
+    formats = {d.name: d.format for d in plan_for(model_patcher, policy).quantized}
+    allowed = pre_quant_formats()
+    out, refused = {}, []
+    for name, scale in pre_quant_scales.items():
+        fmt = formats.get(name)
+        if fmt is not None and carries_pre_quant_scale(fmt, allowed):
+            out[name] = scale
+        else:
+            refused.append(name)
+            input_scales.pop(name, None)
+    if refused:
+        log.warning("LowBit: %d layer(s) of the policy carry a pre_quant_scale that this ComfyUI would not apply to "
+                    "their format, or are not quantized (e.g. %s as %s); quantized unsmoothed", len(refused),
+                    refused[0], formats.get(refused[0], "float"))
+    return out
 
 
 def _set_input_scales(model_patcher, input_scales: dict[str, float]) -> None:
@@ -292,10 +337,11 @@ class LowBitCalibratePolicy(io.ComfyNode):
                              tooltip="Denoising steps recorded (euler, simple schedule, cfg 1)."),
                 io.Combo.Input("preset", options=preset_options(), default=AUTO, optional=True,
                                tooltip=PRESET_TOOLTIP),
-                io.Combo.Input("smoothing", options=["measure", "off"], default="measure", optional=True,
-                               tooltip="measure: also measure how much SmoothQuant smoothing (pre_quant_scale) would "
-                               "lower each layer's error, shown in the report (not applied: ComfyUI loads "
-                               "pre_quant_scale only for nvfp4). off: skip it (faster)."),
+                io.Combo.Input("smoothing", options=list(SMOOTHING_MODES), default="write", optional=True,
+                               tooltip="write: measure SmoothQuant smoothing per layer and store a pre_quant_scale "
+                               "where it lowers the layer's error and its format may carry one (LowBit's own "
+                               "formats; a native format only if this ComfyUI's loader applies it: stock applies it "
+                               "to nvfp4 only). measure: report the gain only. off: skip it (faster)."),
                 io.Combo.Input("objective", options=list(OBJECTIVES), default="model_output", optional=True,
                                tooltip="model_output: replay the recorded steps once per layer and candidate with only "
                                "that layer quantized, and minimise the summed model-output error (slower, measures how "
@@ -317,7 +363,7 @@ class LowBitCalibratePolicy(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, budget: str, candidates: str, positive=None, latent=None, steps: int = 4,
-                preset: str = AUTO, smoothing: str = "measure", objective: str = "model_output",
+                preset: str = AUTO, smoothing: str = "write", objective: str = "model_output",
                 resolution: int = DEFAULT_RESOLUTION, rows_per_layer: int = 256,
                 calibration_seed: int = 0) -> io.NodeOutput:
         try:
@@ -341,7 +387,7 @@ class LowBitApplyPolicy(io.ComfyNode):
             category=CATEGORY,
             description=("Quantize a model in memory under a policy from Calibrate Policy (LowBit) (or a policy "
                          "file's JSON): each layer in its chosen format, FP8 layers with their calibrated input "
-                         "scale. The input model is not changed."),
+                         "scale, smoothed layers with their pre_quant_scale. The input model is not changed."),
             inputs=[
                 io.Model.Input("model", tooltip="The float model the policy was calibrated on."),
                 io.String.Input("policy", multiline=True, force_input=True,
@@ -352,5 +398,7 @@ class LowBitApplyPolicy(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, policy: str) -> io.NodeOutput:
-        parsed, scales, _ = policy_and_scales(policy)
-        return io.NodeOutput(apply_policy(model, parsed, scales, progress=progress_bar("quantizing with policy")))
+        parsed, scales, calibration = policy_and_scales(policy)
+        smoothing = calibration.pre_quant_scales() if calibration is not None else {}
+        return io.NodeOutput(apply_policy(model, parsed, scales, pre_quant_scales=smoothing,
+                                          progress=progress_bar("quantizing with policy")))

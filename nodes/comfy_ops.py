@@ -23,6 +23,14 @@ device *still quantized* and the format's codec computes ``codec.linear(x, w, bi
 (each format's own activation handling). Otherwise ComfyUI's own path runs: cast, dequantize,
 apply the patches, float ``F.linear``. Per-instance attributes: ``lowbit_format`` (codec name),
 ``lowbit_config`` (the ``LowBitOpsConfig``), and ComfyUI's ``quant_format``/``layout_type``.
+
+A layer may carry ComfyUI's ``pre_quant_scale`` (SmoothQuant smoothing, ``[in_features]``; see
+``quant/calibration_pre_quant.py``): a parameter like ``input_scale`` (loaded from and written to
+the checkpoint, moved with the module), applied exactly as stock ComfyUI applies it: the input is
+multiplied by it, in the input's dtype, before any of the paths above (and before the compiled
+op, so ``torch.compile`` traces the multiply). The stored weight is ``W diag(1 / pre_quant_scale)``,
+so weight patches (LoRA) are applied to ``dequantize(weight) * pre_quant_scale``, the original
+weight's space, and divided back before requantizing.
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: per-module attributes the in-memory quantizer and the loader set (read by model_quant)
 FORMAT_ATTR = "lowbit_format"
 CONFIG_ATTR = "lowbit_config"
+PRE_QUANT_SCALE = "pre_quant_scale"  # as quant.calibration_pre_quant and ComfyUI name it
+#: tensors a LowBit layer may carry next to its codec's own
+EXTRA_LAYER_TENSORS = ("input_scale", PRE_QUANT_SCALE)
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,7 @@ class LowBitLinearMixin:
         if codec is None or not isinstance(self.weight, QuantizedTensor):
             return super().forward(input, *args, **kwargs)
         _run_every_op()
+        input = self._lowbit_pre_quant(input)
         config: LowBitOpsConfig = self.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
         if self._lowbit_runs_quantized(input, config):
             if torch.compiler.is_compiling() and not hasattr(self, "_v"):
@@ -171,6 +183,16 @@ class LowBitLinearMixin:
                                         getattr(self, "input_scale", None), config.backend)
             return self._lowbit_quantized_forward(input, codec, config)
         return self._lowbit_dequantized_forward(input)
+
+    def _lowbit_pre_quant(self, input):
+        """``input * pre_quant_scale`` in the input's dtype, as stock ComfyUI applies it (``input`` without one)."""
+        scale = getattr(self, PRE_QUANT_SCALE, None)
+        if scale is None:
+            return input
+        if isinstance(input, QuantizedTensor):
+            input = input.dequantize()
+        # the same cast as stock's cast_to_device(scale, input.device, input.dtype), written so Dynamo traces it
+        return input * scale.to(device=input.device, dtype=input.dtype)
 
     def _lowbit_runs_quantized(self, input, config: LowBitOpsConfig) -> bool:
         return not (
@@ -205,8 +227,9 @@ class LowBitLinearMixin:
     def _lowbit_dequantized_forward(self, input):
         if isinstance(input, QuantizedTensor):
             input = input.dequantize()
-        weight, bias, offload_stream = comfy.ops.cast_bias_weight(self, input, offloadable=True,
-                                                                  compute_dtype=input.dtype)
+        with self._lowbit_patches_in_original_space():
+            weight, bias, offload_stream = comfy.ops.cast_bias_weight(self, input, offloadable=True,
+                                                                      compute_dtype=input.dtype)
         try:
             if isinstance(weight, QuantizedTensor):
                 weight = weight.dequantize()
@@ -214,9 +237,36 @@ class LowBitLinearMixin:
         finally:
             comfy.ops.uncast_bias_weight(self, weight, bias, offload_stream)
 
+    @contextlib.contextmanager
+    def _lowbit_patches_in_original_space(self):
+        """While casting, run the pending weight functions (LoRA) on ``weight * pre_quant_scale``, the
+        space their deltas are in, and divide the result back to the stored (smoothed) space."""
+        scale = self._parameters.get(PRE_QUANT_SCALE)
+        functions = self.weight_function
+        if scale is None or not functions:
+            yield
+            return
+
+        def in_original_space(weight):
+            s = scale.to(device=weight.device, dtype=torch.float32)
+            out = weight.float() * s
+            for f in functions:
+                out = f(out)
+            return (out.float() / s).to(weight.dtype)
+
+        self.weight_function = [in_original_space]
+        try:
+            yield
+        finally:
+            self.weight_function = functions
+
     # ---- weight patches (ModelPatcher.patch_weight_to_device uses convert_/set_weight) -------
     def convert_weight(self, weight, inplace=False, **kwargs):
-        return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+        weight = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+        scale = self._parameters.get(PRE_QUANT_SCALE) if module_codec(self) is not None else None
+        if scale is not None:  # the original weight's space, where patch deltas apply
+            weight = (weight.float() * scale.to(device=weight.device, dtype=torch.float32)).to(weight.dtype)
+        return weight
 
     def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
         codec = module_codec(self)
@@ -226,6 +276,9 @@ class LowBitLinearMixin:
                 return parent(weight, inplace_update=inplace_update, seed=seed, return_weight=return_weight, **kwargs)
             weight = weight.to(self.weight.dtype)
         else:
+            scale = self._parameters.get(PRE_QUANT_SCALE)
+            if scale is not None:  # back to the stored (smoothed) space, see convert_weight
+                weight = weight.float() / scale.to(device=weight.device, dtype=torch.float32)
             weight = requantize(codec, weight, dtype=self.weight.dtype, seed=seed or 0,
                                 layer=self.__dict__.get("seed_key", ""))
         if return_weight:
@@ -241,9 +294,10 @@ class LowBitLinearMixin:
         if self.bias is not None:
             sd[f"{prefix}bias"] = self.bias if keep_vars else self.bias.detach()
         sd.update(layer_tensors(codec, prefix[:-1], self.weight))
-        input_scale = getattr(self, "input_scale", None)
-        if input_scale is not None:
-            sd[f"{prefix}input_scale"] = input_scale if keep_vars else input_scale.detach()
+        for name in EXTRA_LAYER_TENSORS:
+            value = self._parameters.get(name)
+            if value is not None:
+                sd[f"{prefix}{name}"] = value if keep_vars else value.detach()
         return sd
 
     # ---- device moves: re-wrap QuantizedTensor parameters (Module._apply cannot set .data) ---
@@ -333,7 +387,7 @@ def lowbit_ops(config: LowBitOpsConfig) -> type:
                 _load_lowbit_weight(self, codec, state_dict, prefix, config)
                 torch.nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                                                       missing_keys, unexpected_keys, error_msgs)
-                for key in (f"{prefix}weight", f"{prefix}input_scale"):
+                for key in (f"{prefix}weight", *(f"{prefix}{name}" for name in EXTRA_LAYER_TENSORS)):
                     if key in missing_keys:
                         missing_keys.remove(key)
 
@@ -373,7 +427,7 @@ def _load_lowbit_weight(module, codec: FormatCodec, state_dict, prefix: str, con
             suffix = key[len(prefix):]
             if "." not in suffix and suffix != "bias":
                 entries[suffix] = state_dict.pop(key)
-    known = {*codec.tensor_keys, "input_scale"}
+    known = {*codec.tensor_keys, *EXTRA_LAYER_TENSORS}
     ignored = sorted(set(entries) - known)
     if ignored:
         log.warning("LowBit: layer %s (%s): ignoring unexpected tensors %s", layer, codec.spec.name, ignored)
@@ -386,12 +440,34 @@ def _load_lowbit_weight(module, codec: FormatCodec, state_dict, prefix: str, con
     input_scale = entries.get("input_scale")
     if input_scale is not None:
         module.register_parameter("input_scale", torch.nn.Parameter(input_scale.float(), requires_grad=False))
+    scale = entries.get(PRE_QUANT_SCALE)
+    if scale is not None:
+        set_pre_quant_scale(module, scale, layer=layer, device=device)
     module.lowbit_format = codec.spec.name
     module.quant_format = conf["format"]
     module.layout_type = qt._layout_cls
     module._full_precision_mm_config = bool(conf.get("full_precision_matrix_mult", False))
     if module._full_precision_mm_config:
         module._full_precision_mm = True
+
+
+def set_pre_quant_scale(module: torch.nn.Module, scale: torch.Tensor | None, *, layer: str = "",
+                        device=None) -> None:
+    """Give ``module`` the ``pre_quant_scale`` parameter (``None`` removes it), kept in its own dtype as
+    stock ComfyUI keeps it; ``device``: where to put it (default: where the weight is)."""
+    if scale is None:
+        module._parameters.pop(PRE_QUANT_SCALE, None)
+        return
+    in_features = module.weight.shape[1]
+    if (not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or tuple(scale.shape) != (in_features,)
+            or isinstance(scale, QuantizedTensor)):
+        raise CheckpointFormatError(
+            f"layer {layer or type(module).__name__}: pre_quant_scale must be a float vector of the layer's "
+            f"{in_features} input features, found {type(scale).__name__} {tuple(getattr(scale, 'shape', ()))}; "
+            f"the file is damaged or was written for another model")
+    device = module.weight.device if device is None else device
+    module.register_parameter(PRE_QUANT_SCALE, torch.nn.Parameter(scale.detach().to(device=device),
+                                                                  requires_grad=False))
 
 
 def mark_quantized(module: torch.nn.Module, codec: FormatCodec, weight: QuantizedTensor,
@@ -409,4 +485,5 @@ def mark_quantized(module: torch.nn.Module, codec: FormatCodec, weight: Quantize
 __all__ = [
     "KERNEL_BACKENDS", "LowBitOpsConfig", "LowBitLinearMixin", "default_dequantize_formats", "is_lowbit_linear",
     "kernel_backend", "lowbit_linear_class", "lowbit_ops", "mark_quantized", "module_codec", "requantize",
+    "set_pre_quant_scale",
 ]

@@ -29,7 +29,7 @@ import copy
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -39,13 +39,15 @@ import comfy.utils
 from comfy_kitchen.tensor import QuantizedTensor
 
 from ..quant import presets
+from ..quant.calibration_measure import smoothed_weight
+from ..quant.calibration_pre_quant import check_pre_quant_scale
 from ..quant.errors import LowBitError
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.native import COMFY_QUANT, decode_comfy_quant
 from ..quant.policy import Plan, Policy
 from ..quant.quantize import quantize_weight
-from .comfy_ops import (COMPUTE_DTYPES, LowBitOpsConfig, default_dequantize_formats, lowbit_linear_class,
-                        mark_quantized, module_codec)
+from .comfy_ops import (COMPUTE_DTYPES, PRE_QUANT_SCALE, LowBitOpsConfig, default_dequantize_formats,
+                        lowbit_linear_class, mark_quantized, module_codec, set_pre_quant_scale)
 
 log = logging.getLogger(__name__)
 
@@ -220,13 +222,18 @@ def model_compute_dtype(model) -> torch.dtype:
 
 def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *, plan: Plan | None = None,
                       requantize: bool = False, bake_patches: bool = False,
+                      pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
                       progress: Callable[[int, int], None] | None = None) -> Plan:
     """Quantize the Linears of ``model_patcher``'s own model as the plan says (the caller owns the model).
 
-    ``requantize``: dequantize already quantized layers and quantize them again (file conversion).
-    ``bake_patches``: merge ``model_patcher.patches`` of the quantized layers into their weights
-    (the caller then drops them). Returns the plan used.
+    ``requantize``: dequantize already quantized layers and quantize them again (file conversion;
+    a layer's old ``pre_quant_scale`` is multiplied back in first). ``bake_patches``: merge
+    ``model_patcher.patches`` of the quantized layers into their weights (the caller then drops
+    them). ``pre_quant_scales``: ``{layer: [K] scale}`` (names relative to the diffusion model): those
+    layers store ``W diag(1 / scale)`` and carry the scale (the caller checked their formats may).
+    Returns the plan used.
     """
+    pre_quant_scales = dict(pre_quant_scales or {})
     plan = plan or plan_for(model_patcher, policy, requantize=requantize)
     if not plan.quantized:
         raise _nothing_to_quantize(model_patcher, plan)
@@ -242,23 +249,34 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
         home = stored.device
         if isinstance(stored, QuantizedTensor):
             weight = stored.to(device=device, dtype=torch.float32).dequantize()  # dequantized in fp32
+            old_scale = module._parameters.get(PRE_QUANT_SCALE)
+            if old_scale is not None:  # the stored weight is smoothed: back to the layer's own weight
+                weight = weight * old_scale.to(device=device, dtype=torch.float32)
         else:
             weight = stored.to(device=device, dtype=torch.float32, copy=True)
         key = f"{DIFFUSION_PREFIX}{decision.name}.weight"
         if key in patches:
             weight = comfy.lora.calculate_weight(patches[key], weight, key, intermediate_dtype=torch.float32)
+        scale = pre_quant_scales.get(decision.name)
+        if scale is not None:
+            check_pre_quant_scale(decision.name, scale, weight.shape[1])
+            weight = smoothed_weight(weight, scale.to(device))
         qt = quantize_weight(weight, decision.format, name=decision.name, compute_dtype=compute_dtype)
         del weight
         module.__class__ = lowbit_linear_class(type(module), classes)
         mark_quantized(module, get_format(decision.format), qt.to(device=home), config)
+        set_pre_quant_scale(module, scale, layer=decision.name, device=home)
         if progress is not None:
             progress(done, total)
     return plan
 
 
 def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype | None = None,
-                   progress: Callable[[int, int], None] | None = None, backend: str = "auto"):
-    """A quantized copy of ``model_patcher`` (see the module docstring); the input is not changed."""
+                   progress: Callable[[int, int], None] | None = None, backend: str = "auto",
+                   pre_quant_scales: Mapping[str, torch.Tensor] | None = None):
+    """A quantized copy of ``model_patcher`` (see the module docstring); the input is not changed.
+
+    ``pre_quant_scales``: layers stored smoothed with a ``pre_quant_scale`` (see :func:`quantize_in_place`)."""
     diffusion_model_of(model_patcher)
     plan = plan_for(model_patcher, policy)
     if not plan.quantized:
@@ -270,12 +288,13 @@ def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype 
     new_model = copy_model(source, model_patcher.offload_device)
     patched = model_patcher.clone(model_override=(new_model, ({}, {}, {}, set())))
     patched.patches = {k: list(v) for k, v in model_patcher.patches.items()}  # read by quantize_in_place only
-    quantize_in_place(patched, policy, config, plan=plan, bake_patches=True, progress=progress)
+    quantize_in_place(patched, policy, config, plan=plan, bake_patches=True, pre_quant_scales=pre_quant_scales,
+                      progress=progress)
     baked = _bake_remaining_patches(model_patcher, new_model, plan)
     _finish_copy(patched, model_patcher)
     new_model.lowbit_info = LowBitModelInfo(source="quantized in memory", plan=plan, policy=policy.to_dict(),
                                             ops=config.to_dict(), baked_patches=baked)
-    patched.cached_patcher_init = _reload_recipe(model_patcher, policy, compute_dtype, backend)
+    patched.cached_patcher_init = _reload_recipe(model_patcher, policy, compute_dtype, backend, pre_quant_scales)
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(plan.counts().items()))
     log.info("LowBit: quantized %s in memory (mode=%s, preset=%s; %s; %d LoRA/weight patches baked)",
              type(source).__name__, plan.mode, plan.preset, counts, baked)
@@ -305,17 +324,17 @@ def _finish_copy(patched, source_patcher) -> None:
     patched.cached_hook_patches = {}
 
 
-def _reload_recipe(model_patcher, policy: Policy, compute_dtype, backend: str):
+def _reload_recipe(model_patcher, policy: Policy, compute_dtype, backend: str, pre_quant_scales=None):
     """``cached_patcher_init`` for the quantized patcher: rebuild the source, re-apply patches, quantize."""
     source_init = getattr(model_patcher, "cached_patcher_init", None)
     if source_init is None:
         return None
     patches = {k: list(v) for k, v in model_patcher.patches.items()}
-    return (reload_quantized, (source_init, policy, compute_dtype, backend, patches))
+    return (reload_quantized, (source_init, policy, compute_dtype, backend, patches, dict(pre_quant_scales or {})))
 
 
 def reload_quantized(source_init, policy: Policy, compute_dtype, backend: str, patches: dict,
-                     disable_dynamic: bool = False):
+                     pre_quant_scales: dict | None = None, disable_dynamic: bool = False):
     """Rebuild a model :func:`quantize_model` made (ComfyUI's ``cached_patcher_init`` protocol)."""
     kwargs = {"disable_dynamic": True} if disable_dynamic else {}
     source = source_init[0](*source_init[1], **kwargs)
@@ -325,7 +344,8 @@ def reload_quantized(source_init, policy: Policy, compute_dtype, backend: str, p
         source = source.clone()
         source.patches = {k: list(v) for k, v in patches.items()}
         source.patches_uuid = uuid.uuid4()
-    return quantize_model(source, policy, compute_dtype=compute_dtype, backend=backend)
+    return quantize_model(source, policy, compute_dtype=compute_dtype, backend=backend,
+                          pre_quant_scales=pre_quant_scales)
 
 
 # ---- copying a model without copying its weights ------------------------------------------------

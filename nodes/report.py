@@ -5,17 +5,23 @@ totals for the quantized layers and for the whole diffusion model. With ``measur
 layer also gets the relative error of its quantized linear (the format's activation quantization
 and kernel) against ``F.linear`` with the dequantized weight, on a seeded random probe input: it
 isolates what the run-time path adds on top of the weight rounding.
+
+Layers that carry a SmoothQuant ``pre_quant_scale`` (written by calibration where it lowers the
+layer's error) get a ``pre_quant_scale`` column (shown when any layer has one); their stored bytes
+include the scale, and their probe input is multiplied by it, as the layer runs. What smoothing
+changed in each layer's error is measured on real inputs by Calibrate Policy (its report).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from comfy_api.latest import io, ui
 
+from ..quant.calibration_pre_quant import PRE_QUANT_SCALE
 from ..quant.formats import get_format
 from . import CATEGORY
 
@@ -31,14 +37,18 @@ class LayerRow:
     bf16_bytes: int
     stored_bytes: int
     rel_error: float | None = None  # ||linear_q - linear_deq|| / ||linear_deq||
+    pre_quant_scale: bool = False  # the layer runs with a SmoothQuant pre_quant_scale
 
 
-def relative_output_error(codec, qtensor, *, probe_tokens: int, seed: int) -> float:
-    """``||codec.linear(x, W_q) - F.linear(x, dequant(W_q))|| / ||F.linear(x, dequant(W_q))||``."""
+def relative_output_error(codec, qtensor, *, probe_tokens: int, seed: int, pre_quant_scale=None) -> float:
+    """``||codec.linear(x, W_q) - F.linear(x, dequant(W_q))|| / ||F.linear(x, dequant(W_q))||``
+    (``x`` multiplied by ``pre_quant_scale`` in its dtype first when given, as the layer runs)."""
     weight = qtensor.dequantize()
     n, k = weight.shape
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(probe_tokens, k, generator=gen).to(device=weight.device, dtype=weight.dtype)
+    if pre_quant_scale is not None:
+        x = x * pre_quant_scale.to(device=x.device, dtype=x.dtype)
     with torch.no_grad():
         reference = torch.nn.functional.linear(x.float(), weight.float())
         quantized = codec.linear(x, qtensor).float()
@@ -47,25 +57,43 @@ def relative_output_error(codec, qtensor, *, probe_tokens: int, seed: int) -> fl
 
 
 def layer_rows(layers: Iterable[tuple[str, str, object]], *, measure_error: bool = False,
-               probe_tokens: int = 64, seed: int = 0) -> list[LayerRow]:
-    """One :class:`LayerRow` per ``(layer, format_name, qtensor)``."""
+               probe_tokens: int = 64, seed: int = 0,
+               pre_quant_scales: Mapping[str, torch.Tensor] | None = None) -> list[LayerRow]:
+    """One :class:`LayerRow` per ``(layer, format_name, qtensor)``; ``pre_quant_scales``: ``{layer: scale}``
+    of the layers that carry one."""
     rows = []
     for i, (layer, fmt, qtensor) in enumerate(layers):
         codec = get_format(fmt)
         shape = tuple(int(d) for d in qtensor.shape)
+        scale = (pre_quant_scales or {}).get(layer)
         stored = sum(t.numel() * t.element_size() for t in codec.state_dict(qtensor).values())
-        error = relative_output_error(codec, qtensor, probe_tokens=probe_tokens, seed=seed + i) if measure_error else None
-        rows.append(LayerRow(_strip(layer), fmt, shape, math.prod(shape) * BF16_BYTES, stored, error))
+        stored += 0 if scale is None else scale.numel() * scale.element_size()
+        error = relative_output_error(codec, qtensor, probe_tokens=probe_tokens, seed=seed + i,
+                                      pre_quant_scale=scale) if measure_error else None
+        rows.append(LayerRow(_strip(layer), fmt, shape, math.prod(shape) * BF16_BYTES, stored, error, scale is not None))
     return rows
 
 
-def other_tensor_bytes(model, quantized: set[str]) -> int:
-    """Bytes of the diffusion model's tensors that are not quantized weights (kept float, biases...)."""
+def pre_quant_scales_of(model) -> dict[str, torch.Tensor]:
+    """``{layer: pre_quant_scale}`` of the diffusion model's Linears that carry one."""
+    from .model_quant import diffusion_model_of, linear_layers
+
+    out = {}
+    for name, module in linear_layers(diffusion_model_of(model)).items():
+        scale = module._parameters.get(PRE_QUANT_SCALE)
+        if scale is not None:
+            out[name] = scale.detach()
+    return out
+
+
+def other_tensor_bytes(model, quantized: set[str], exclude: Mapping[str, object] | None = None) -> int:
+    """Bytes of the diffusion model's tensors that are not quantized weights (kept float, biases...);
+    ``exclude``: layers whose ``pre_quant_scale`` is counted with the layer instead."""
     diffusion_model = model.model.diffusion_model
     total = 0
     for name, tensor in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers()):
         layer, _, suffix = name.rpartition(".")
-        if layer in quantized and suffix == "weight":
+        if (layer in quantized and suffix == "weight") or (layer in (exclude or {}) and suffix == PRE_QUANT_SCALE):
             continue
         total += tensor.numel() * tensor.element_size()
     return total
@@ -73,13 +101,17 @@ def other_tensor_bytes(model, quantized: set[str]) -> int:
 
 def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool) -> str:
     """The report as a markdown table, with totals."""
+    smoothed = any(r.pre_quant_scale for r in rows)
     header = ["layer", "format", "shape", "bf16", "stored", "ratio"] + (["rel. output error", "SQNR dB"] if measured else [])
+    header += ["pre_quant_scale"] if smoothed else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         cells = [r.layer, r.format, "x".join(map(str, r.shape)), _size(r.bf16_bytes), _size(r.stored_bytes),
                  f"{r.stored_bytes / r.bf16_bytes:.3f}"]
         if measured:
             cells += [f"{r.rel_error:.2e}", _sqnr(r.rel_error)]
+        if smoothed:
+            cells.append("yes" if r.pre_quant_scale else "-")
         lines.append("| " + " | ".join(cells) + " |")
     before = sum(r.bf16_bytes for r in rows)
     after = sum(r.stored_bytes for r in rows)
@@ -98,6 +130,9 @@ def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool) -> s
     if measured and rows:
         worst = max(rows, key=lambda r: r.rel_error)
         summary.append(f"**largest relative output error:** {worst.rel_error:.2e} ({worst.layer}, {worst.format})")
+    if smoothed:
+        summary.append(f"**layers with a SmoothQuant pre_quant_scale:** {sum(r.pre_quant_scale for r in rows)} "
+                       f"(their error with and without it: Calibrate Policy's report)")
     return "\n".join(lines + summary)
 
 
@@ -144,7 +179,9 @@ class LowBitQuantizationReport(io.ComfyNode):
         from .model_quant import quantized_layers
 
         layers = quantized_layers(model)
-        rows = layer_rows(layers, measure_error=measure_error, probe_tokens=probe_tokens, seed=probe_seed)
-        other = other_tensor_bytes(model, {_strip(layer) for layer, _, _ in layers})
+        scales = pre_quant_scales_of(model)
+        rows = layer_rows(layers, measure_error=measure_error, probe_tokens=probe_tokens, seed=probe_seed,
+                          pre_quant_scales=scales)
+        other = other_tensor_bytes(model, {_strip(layer) for layer, _, _ in layers}, exclude=scales)
         table = format_table(rows, other, measured=measure_error)
         return io.NodeOutput(table, ui=ui.PreviewText(table))
