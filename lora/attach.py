@@ -27,7 +27,7 @@ from comfy_kitchen.tensor import QuantizedTensor
 
 from ..quant.layouts.base import FormatCodec
 from .delta import DenseDelta, LowRankDelta
-from .dynamic import LoraBank, apply
+from .dynamic import LoraBank, add_into
 from .stochastic import codec_for_weight, layer_seed, merge_deltas, merge_float
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,7 @@ class DynamicLoras:
 
 def _lora_hook(bank: LoraBank):
     def hook(module, args, output):
-        term = apply(args[0], bank)
-        if output.requires_grad or term.requires_grad:
-            return output + term
-        return output.add_(term)  # the layer's fresh output: add in place, no second activation buffer
+        return add_into(output, args[0], bank)  # the layer's fresh output: accumulated in place when safe
 
     return hook
 

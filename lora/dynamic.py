@@ -3,7 +3,8 @@
 A :class:`LoraBank` holds every LoRA of one layer as one concatenated pair - ``down`` ``[R, K]`` and
 ``up`` ``[N, R]`` with ``R`` the sum of the ranks - plus a ``rank_scale`` vector ``[R]`` holding each
 rank's ``strength * alpha / rank``. Changing a strength only rewrites that LoRA's entries of
-``rank_scale`` in place: no tensor is reallocated, nothing is re-quantized or reloaded, and a
+``rank_scale`` (and its copy in the bank's dtype, ``rank_scale_c``, which the forward uses) in
+place: no tensor is reallocated, nothing is re-quantized or reloaded, and a
 compiled graph sees the same tensors. Changing the *set* of LoRAs builds a new bank (the base
 weight is still untouched).
 
@@ -12,6 +13,10 @@ the quantized layout applies inside its own linear, so the LoRA term is exact fo
 (rotations are orthogonal and cancel in ``x @ W.T``; adding the term outside leaves the quantized
 product as it was). A forward that only holds the rotated activation ``x H`` can use
 :meth:`LoraBank.in_basis` (``down H``, so ``(x H)(down H).T = x down.T``).
+
+:func:`add_into` is what a layer's forward hook uses: it accumulates the term into the layer's fresh
+output with one ``addmm_`` (three small kernels per layer in all: ``x @ down.T``, the rank scale,
+the accumulating product), so no ``[tokens, out]`` temporary is written and read back.
 
 The bank is an ``nn.Module`` with non-persistent buffers: ``module.to(device)`` moves it in place and
 it never appears in a state dict.
@@ -47,6 +52,7 @@ class LoraBank(torch.nn.Module):
         self.register_buffer("down", down, persistent=False)
         self.register_buffer("up", up, persistent=False)
         self.register_buffer("rank_scale", rank_scale, persistent=False)
+        self.register_buffer("rank_scale_c", rank_scale.to(down.dtype), persistent=False)
         self.ranges: tuple[RankRange, ...] = tuple(ranges)
         self._strengths = dict(strengths)
 
@@ -96,6 +102,7 @@ class LoraBank(torch.nn.Module):
             for r in self.ranges:
                 if r.name == name:
                     self.rank_scale[r.start:r.stop].fill_(float(strength) * r.unit_scale)
+                    self.rank_scale_c[r.start:r.stop].fill_(float(strength) * r.unit_scale)
 
     def _known(self, name: str) -> str:
         if name not in self._strengths:
@@ -112,6 +119,7 @@ class LoraBank(torch.nn.Module):
         if down.shape != self.down.shape:
             raise LoraShapeError(f"map_inputs changed down's shape {tuple(self.down.shape)} to {tuple(down.shape)}")
         bank = LoraBank(down, self.up, self.rank_scale, self.ranges, self._strengths)
+        bank.rank_scale_c = self.rank_scale_c  # shared too: a strength edit reaches both views
         bank._strengths = self._strengths  # one strength table for both views
         return bank
 
@@ -120,12 +128,31 @@ class LoraBank(torch.nn.Module):
         return f"rank={self.rank}, out={self.up.shape[0]}, in={self.down.shape[1]}, loras=[{loras}]"
 
 
+def _hidden(x: torch.Tensor, bank: LoraBank) -> torch.Tensor:
+    """``(x @ down.T) * rank_scale`` in the bank's dtype (the scale's copy in that dtype)."""
+    hidden = torch.nn.functional.linear(x.to(bank.down.dtype), bank.down)
+    return hidden.mul_(bank.rank_scale_c) if not hidden.requires_grad else hidden * bank.rank_scale_c
+
+
 def apply(x: torch.Tensor, bank: LoraBank) -> torch.Tensor:
     """The LoRA term ``((x @ down.T) * rank_scale) @ up.T`` for input ``x`` ``[..., K]``, in ``x``'s dtype.
 
-    Add it to the quantized layer's output. The rank-sized middle runs in fp32 so a strength edit
-    is applied exactly; the two products run in the bank's dtype.
+    Add it to the quantized layer's output (or let :func:`add_into` do it in place). Both products
+    and the rank scale run in the bank's dtype.
     """
-    hidden = torch.nn.functional.linear(x.to(bank.down.dtype), bank.down)
-    hidden = (hidden.float() * bank.rank_scale).to(bank.up.dtype)
-    return torch.nn.functional.linear(hidden, bank.up).to(x.dtype)
+    return torch.nn.functional.linear(_hidden(x, bank), bank.up).to(x.dtype)
+
+
+def add_into(out: torch.Tensor, x: torch.Tensor, bank: LoraBank) -> torch.Tensor:
+    """``out + apply(x, bank)``, accumulated into ``out`` in place when that is safe.
+
+    In place (one ``addmm_``, beta = 1) when ``out`` is a contiguous tensor of the bank's dtype that
+    autograd does not track; otherwise a new tensor. Returns the result either way.
+    """
+    hidden = _hidden(x, bank)
+    n = out.shape[-1]
+    if (out.dtype == bank.up.dtype and out.is_contiguous() and not out.requires_grad
+            and not hidden.requires_grad and out.device == hidden.device):
+        out.view(-1, n).addmm_(hidden.reshape(-1, hidden.shape[-1]), bank.up.t())
+        return out
+    return out + torch.nn.functional.linear(hidden, bank.up).to(out.dtype)

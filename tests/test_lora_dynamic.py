@@ -8,7 +8,7 @@ import torch
 from lora_helpers import FORMAT_NAMES, IN_FEATURES, OUT_FEATURES, base_weight, dense, random_lora, rms, sqnr_db
 from lowbit.kernels.hadamard import rotate_blocks
 from lowbit.lora.delta import LowRankDelta
-from lowbit.lora.dynamic import LoraBank, apply
+from lowbit.lora.dynamic import LoraBank, add_into, apply
 from lowbit.quant.formats import get_format
 
 SHAPE = (OUT_FEATURES, IN_FEATURES)
@@ -137,3 +137,36 @@ def test_bank_rejects_a_lora_for_another_shape():
     wrong = random_lora(1, shape=(OUT_FEATURES, 256))
     with pytest.raises(ValueError, match="made for a different model"):
         LoraBank.build([("a", wrong)], SHAPE, layer="blocks.0.attn")
+
+
+def test_add_into_accumulates_in_place_and_equals_the_separate_term():
+    """The forward hook's path: one ``addmm_`` into the layer's own output, no [tokens, out] temporary."""
+    delta = random_lora(11, rank=8, alpha=4.0, strength=0.6)
+    bank = LoraBank.build([("a", delta)], SHAPE)
+    x = _tokens().reshape(2, 12, IN_FEATURES)
+    base = torch.randn(2, 12, OUT_FEATURES, generator=torch.Generator().manual_seed(3))
+    expected = base + apply(x, bank)
+    out = base.clone()
+    pointer = out.data_ptr()
+    result = add_into(out, x, bank)
+    assert result.data_ptr() == pointer  # accumulated into the output itself
+    assert sqnr_db(expected, result) > 100
+    bank.set_strength("a", -1.5)  # the edit reaches the in-place path too
+    again = add_into(base.clone(), x, bank)
+    assert sqnr_db(base + apply(x, bank), again) > 100
+    assert sqnr_db(base - 1.5 / 0.6 * (expected - base), again) > 100
+
+
+def test_add_into_returns_a_new_tensor_when_in_place_is_unsafe():
+    bank = LoraBank.build([("a", random_lora(12))], SHAPE, dtype=torch.bfloat16)
+    x = _tokens()
+    out = torch.randn(24, OUT_FEATURES)  # fp32 output, bf16 bank: no in-place accumulation
+    before = out.clone()
+    result = add_into(out, x, bank)
+    assert torch.equal(out, before) and result.data_ptr() != out.data_ptr()
+    assert sqnr_db(before + apply(x, bank).float(), result) > 100
+    fp32_bank = LoraBank.build([("a", random_lora(12))], SHAPE)
+    transposed = torch.randn(OUT_FEATURES, 24).t()  # not contiguous
+    kept = transposed.clone()
+    result = add_into(transposed, x, fp32_bank)
+    assert torch.equal(transposed, kept) and sqnr_db(kept + apply(x, fp32_bank), result) > 100
