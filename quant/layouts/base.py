@@ -252,3 +252,40 @@ def linear_on_kernel(fmt: str, problem: str | None, kernel: Callable[[], torch.T
     if log.isEnabledFor(logging.DEBUG):
         log.debug("LowBit %s linear runs comfy-kitchen's path: %s", fmt, problem)
     return kitchen()
+
+
+class KitchenKernelCodec(FormatCodec):
+    """A codec over a comfy-kitchen layout whose linear runs on LowBit's kernels when they take the call.
+
+    Otherwise kitchen's own path runs (:func:`linear_on_kernel`). Subclasses name the kitchen
+    layouts their weights may carry (``kernel_layouts``), say what else a call or a weight must
+    satisfy (``_call_problem``, ``_weight_problem``), run the kernel (``_kernel_linear``) and, where
+    kitchen's path needs more than ``F.linear`` on the ``QuantizedTensor``, override
+    ``_kitchen_linear``.
+    """
+
+    #: kitchen registry names of the layouts this format's weights may have
+    kernel_layouts: tuple[str, ...] = ()
+
+    def linear(self, x, weight, bias=None, input_scale=None):
+        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight, input_scale),
+                                lambda: self._kernel_linear(x, weight, bias),
+                                lambda: self._kitchen_linear(x, weight, bias, input_scale))
+
+    def _kernel_problem(self, x, weight, input_scale=None) -> str | None:
+        """Why this call cannot run on LowBit's kernels (``None`` when it can)."""
+        return (self._call_problem(x, input_scale) or kitchen_weight_problem(x, weight, self.kernel_layouts)
+                or self._weight_problem(x, weight._qdata, weight._params))
+
+    def _call_problem(self, x, input_scale) -> str | None:
+        return None
+
+    def _weight_problem(self, x, qdata: torch.Tensor, params) -> str | None:
+        return None
+
+    def _kernel_linear(self, x, weight, bias):
+        raise NotImplementedError
+
+    def _kitchen_linear(self, x, weight, bias, input_scale):
+        return torch.nn.functional.linear(x, weight, bias)
+

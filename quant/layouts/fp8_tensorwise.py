@@ -34,7 +34,7 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout
 
 from ...kernels.fp8_gemm import fp8_rowwise_linear
-from .base import FormatCodec, FormatSpec, check_matrix, check_numel, kitchen_weight_problem, linear_on_kernel, require
+from .base import FormatSpec, KitchenKernelCodec, check_matrix, check_numel, require
 
 LAYOUT = "TensorCoreFP8Layout"
 FP8 = torch.float8_e4m3fn
@@ -44,7 +44,7 @@ WEIGHT_LAYOUTS = (LAYOUT, "TensorCoreFP8E4M3Layout")
 KERNEL_DEVICE_TYPES = frozenset({"cuda"})
 
 
-class Fp8TensorwiseCodec(FormatCodec):
+class Fp8TensorwiseCodec(KitchenKernelCodec):
     spec = FormatSpec(
         name="fp8",
         description="W8A8 FP8 e4m3, per-tensor weight scale, per-tensor activation scale",
@@ -64,27 +64,28 @@ class Fp8TensorwiseCodec(FormatCodec):
             return qdata, params
         return TensorCoreFP8Layout.quantize(weight, scale=scale, dtype=FP8)
 
-    def linear(self, x, weight, bias=None, input_scale=None):
-        """``x @ W.T + bias`` in ``x``'s dtype; see the module docstring for which kernel runs."""
-        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight, input_scale),
-                                lambda: fp8_rowwise_linear(x, weight._qdata, weight._params.scale, bias,
-                                                           out_dtype=x.dtype),
-                                lambda: _kitchen_linear(x, weight, bias, input_scale))
+    kernel_layouts = WEIGHT_LAYOUTS
 
-    def _kernel_problem(self, x, weight, input_scale) -> str | None:
+    def _call_problem(self, x, input_scale) -> str | None:
         if input_scale is not None:
             return "the layer has a static input_scale (kept, as stock ComfyUI uses it)"
         if x.device.type not in KERNEL_DEVICE_TYPES:
             return f"inputs on {x.device.type} keep kitchen's per-tensor activation scale"
-        problem = kitchen_weight_problem(x, weight, WEIGHT_LAYOUTS)
-        if problem is not None:
-            return problem
-        qdata, scale = weight._qdata, weight._params.scale
+        return None
+
+    def _weight_problem(self, x, qdata, p) -> str | None:
         if qdata.dtype != FP8 or qdata.shape[1] != x.shape[-1]:
             return f"weight {qdata.dtype} {tuple(qdata.shape)} does not fit an input of {x.shape[-1]} features"
-        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        if not isinstance(p.scale, torch.Tensor) or p.scale.numel() != 1:
             return "the weight scale is not one fp32 value"
         return None
+
+    def _kernel_linear(self, x, weight, bias):
+        """``x @ W.T + bias`` in ``x``'s dtype; see the module docstring for which kernel runs."""
+        return fp8_rowwise_linear(x, weight._qdata, weight._params.scale, bias, out_dtype=x.dtype)
+
+    def _kitchen_linear(self, x, weight, bias, input_scale):
+        return _kitchen_linear(x, weight, bias, input_scale)
 
     def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
         weight = require(layer, tensors, "weight", self.spec.name)

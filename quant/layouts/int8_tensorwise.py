@@ -23,14 +23,15 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ...kernels.int8_gemm import int8_linear
-from .base import (FormatCodec, FormatSpec, check_matrix, check_numel, conf_value, kitchen_weight_problem,
-                   linear_on_kernel, require)
+from .base import FormatSpec, KitchenKernelCodec, check_matrix, check_numel, conf_value, require
 
 LAYOUT = "TensorWiseINT8Layout"
 CONVROT_GROUP = 256
 
 
-class Int8TensorwiseCodec(FormatCodec):
+class Int8TensorwiseCodec(KitchenKernelCodec):
+    kernel_layouts = (LAYOUT,)
+
     def __init__(self, spec: FormatSpec, convrot: bool):
         self.spec = spec
         self.convrot = convrot
@@ -41,23 +42,18 @@ class Int8TensorwiseCodec(FormatCodec):
             convrot_groupsize=CONVROT_GROUP, stochastic_rounding=seed,
         )
 
-    def linear(self, x, weight, bias=None, input_scale=None):
-        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's INT8 kernels (``input_scale`` is unused:
-        activations are quantized per token)."""
-        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight),
-                                lambda: _kernel_linear(x, weight, bias),
-                                lambda: torch.nn.functional.linear(x, weight, bias))
-
-    def _kernel_problem(self, x, weight) -> str | None:
-        problem = kitchen_weight_problem(x, weight, (LAYOUT,))
-        if problem is not None:
-            return problem
-        qdata, p = weight._qdata, weight._params
+    def _weight_problem(self, x, qdata, p) -> str | None:
         if qdata.dtype != torch.int8 or qdata.shape[1] != x.shape[-1]:
             return f"weight {qdata.dtype} {tuple(qdata.shape)} does not fit an input of {x.shape[-1]} features"
         if not getattr(p, "is_weight", True) or p.scale.numel() not in (1, qdata.shape[0]):
             return f"weight_scale has {p.scale.numel()} values, not 1 or one per output row"
         return None
+
+    def _kernel_linear(self, x, weight, bias):
+        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's INT8 kernels (activations quantized per token)."""
+        p = weight._params
+        rotation, group = ("regular", p.convrot_groupsize) if p.convrot else ("none", 0)
+        return int8_linear(x, weight._qdata, p.scale, bias, out_dtype=x.dtype, rotation=rotation, group_size=group)
 
     def comfy_quant(self, qt):
         conf = {"format": self.spec.native_format}
@@ -79,12 +75,6 @@ class Int8TensorwiseCodec(FormatCodec):
             is_weight=True, convrot=self.convrot, convrot_groupsize=group,
         )
         return QuantizedTensor(weight, LAYOUT, params)
-
-
-def _kernel_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    p = weight._params
-    rotation, group = ("regular", p.convrot_groupsize) if p.convrot else ("none", 0)
-    return int8_linear(x, weight._qdata, p.scale, bias, out_dtype=x.dtype, rotation=rotation, group_size=group)
 
 
 INT8 = Int8TensorwiseCodec(FormatSpec(

@@ -25,15 +25,16 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorCoreConvRotW4A4Layout
 
 from ...kernels.backend import capability
 from ...kernels.w4_linear import w4a4_linear
-from .base import (FormatCodec, FormatSpec, check_matrix, conf_value, kitchen_weight_problem, linear_on_kernel,
-                   require)
+from .base import FormatSpec, KitchenKernelCodec, check_matrix, conf_value, require
 
 LAYOUT = "TensorCoreConvRotW4A4Layout"
 CONVROT_GROUP = 256
 QUANT_GROUP = 64  # what ComfyUI's loader assumes for this format
 
 
-class W4A4ConvRotCodec(FormatCodec):
+class W4A4ConvRotCodec(KitchenKernelCodec):
+    kernel_layouts = (LAYOUT,)
+
     spec = FormatSpec(
         name="w4a4",
         description="ConvRot W4A4: 4-bit weights and 4-bit per-token activations after a Hadamard rotation (256)",
@@ -47,17 +48,7 @@ class W4A4ConvRotCodec(FormatCodec):
             weight, convrot_groupsize=CONVROT_GROUP, quant_group_size=QUANT_GROUP, stochastic_rounding=seed,
         )
 
-    def linear(self, x, weight, bias=None, input_scale=None):
-        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's W4 kernel (``input_scale`` is unused)."""
-        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight),
-                                lambda: _kernel_linear(x, weight, bias),
-                                lambda: torch.nn.functional.linear(x, weight, bias))
-
-    def _kernel_problem(self, x, weight) -> str | None:
-        problem = kitchen_weight_problem(x, weight, (LAYOUT,))
-        if problem is not None:
-            return problem
-        qdata, p = weight._qdata, weight._params
+    def _weight_problem(self, x, qdata, p) -> str | None:
         if qdata.dtype != torch.int8 or 2 * qdata.shape[1] != x.shape[-1]:
             return f"packed weight {qdata.dtype} {tuple(qdata.shape)} does not fit an input of {x.shape[-1]} features"
         if p.scale.numel() != qdata.shape[0]:
@@ -65,6 +56,12 @@ class W4A4ConvRotCodec(FormatCodec):
         if p.quant_group_size != QUANT_GROUP:
             return f"quant_group_size {p.quant_group_size} (kitchen's kernels take {QUANT_GROUP} only)"
         return None
+
+    def _kernel_linear(self, x, weight, bias):
+        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's W4 kernel."""
+        p = weight._params
+        return w4a4_linear(x, weight._qdata, p.scale, bias, p.convrot_groupsize, out_dtype=x.dtype,
+                           act_bits=act_bits(p.linear_dtype, x.device))
 
     def comfy_quant(self, qt):
         conf = {"format": self.spec.native_format, "convrot_groupsize": qt._params.convrot_groupsize}
@@ -98,12 +95,6 @@ def act_bits(linear_dtype: str, device: torch.device) -> int:
     if device.type == "cuda" and (linear_dtype == "int8" or capability(device) >= (9, 0)):
         return 8
     return 4
-
-
-def _kernel_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    p = weight._params
-    return w4a4_linear(x, weight._qdata, p.scale, bias, p.convrot_groupsize, out_dtype=x.dtype,
-                       act_bits=act_bits(p.linear_dtype, x.device))
 
 
 W4A4 = W4A4ConvRotCodec()

@@ -25,8 +25,7 @@ import torch
 from comfy_kitchen.tensor import AsymW4A8Int8Layout, QuantizedTensor
 
 from ...kernels.w4_linear import w4a8_linear
-from .base import (FormatCodec, FormatSpec, check_matrix, conf_value, kitchen_weight_problem, linear_on_kernel,
-                   require)
+from .base import FormatSpec, KitchenKernelCodec, check_matrix, conf_value, require
 
 LAYOUT = "AsymW4A8Int8Layout"
 CONVROT_GROUP = 256
@@ -34,7 +33,9 @@ GROUP = 16
 _SUPPORTS_SEED = "stochastic_rounding" in inspect.signature(AsymW4A8Int8Layout.quantize).parameters
 
 
-class W4A8AsymCodec(FormatCodec):
+class W4A8AsymCodec(KitchenKernelCodec):
+    kernel_layouts = (LAYOUT,)
+
     spec = FormatSpec(
         name="w4a8",
         description="W4A8: 4-bit codebook weights (groups of 16, fp8 group scales) x INT8 per-token activations",
@@ -54,17 +55,7 @@ class W4A8AsymCodec(FormatCodec):
             kwargs["stochastic_rounding"] = seed
         return AsymW4A8Int8Layout.quantize(weight, **kwargs)
 
-    def linear(self, x, weight, bias=None, input_scale=None):
-        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's W4 kernel (``input_scale`` is unused)."""
-        return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight),
-                                lambda: _kernel_linear(x, weight, bias),
-                                lambda: _kitchen_linear(x, weight, bias))
-
-    def _kernel_problem(self, x, weight) -> str | None:
-        problem = kitchen_weight_problem(x, weight, (LAYOUT,))
-        if problem is not None:
-            return problem
-        qdata, p = weight._qdata, weight._params
+    def _weight_problem(self, x, qdata, p) -> str | None:
         if getattr(p, "mma_packed", False):  # comfy-kitchen >= 0.2.40 only
             return "the weight is packed for kitchen's small-M MMA kernel"
         if qdata.dtype not in (torch.int8, torch.uint8) or 2 * qdata.shape[1] != x.shape[-1]:
@@ -73,6 +64,19 @@ class W4A8AsymCodec(FormatCodec):
         if p.s_channel is None or p.s_channel.numel() != qdata.shape[0]:
             return "the weight has no per-channel scale for every output row"
         return None
+
+    def _kernel_linear(self, x, weight, bias):
+        """``x @ W.T + bias`` in ``x``'s dtype on LowBit's W4 kernel."""
+        p = weight._params
+        return w4a8_linear(x, weight._qdata, p.scale, p.s_channel, p.codebook, p.correction, bias, p.group_size,
+                           p.convrot_groupsize, out_dtype=x.dtype)
+
+    def _kitchen_linear(self, x, weight, bias, input_scale):
+        # kitchen's W4A8 handler returns the weight's dtype, not the input's: give the weight the
+        # input's dtype (metadata only, no copy) so the output follows x like every other format.
+        if isinstance(weight, QuantizedTensor) and weight.dtype != x.dtype:
+            weight = QuantizedTensor(weight._qdata, LAYOUT, dataclasses.replace(weight._params, orig_dtype=x.dtype))
+        return torch.nn.functional.linear(x, weight, bias)
 
     def comfy_quant(self, qt):
         return {"format": self.spec.native_format, "group_size": qt._params.group_size,
@@ -98,20 +102,6 @@ class W4A8AsymCodec(FormatCodec):
             from ..errors import CheckpointFormatError
             raise CheckpointFormatError(f"layer {layer!r} ({self.spec.name}): {err}") from err
         return QuantizedTensor(weight, LAYOUT, params)
-
-
-def _kernel_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    p = weight._params
-    return w4a8_linear(x, weight._qdata, p.scale, p.s_channel, p.codebook, p.correction, bias, p.group_size,
-                       p.convrot_groupsize, out_dtype=x.dtype)
-
-
-def _kitchen_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # kitchen's W4A8 handler returns the weight's dtype, not the input's: give the weight the
-    # input's dtype (metadata only, no copy) so the output follows x like every other format.
-    if isinstance(weight, QuantizedTensor) and weight.dtype != x.dtype:
-        weight = QuantizedTensor(weight._qdata, LAYOUT, dataclasses.replace(weight._params, orig_dtype=x.dtype))
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 def _kitchen_version() -> str:
