@@ -14,7 +14,6 @@ refusing the same inputs as ``convert_file`` (it uses that module's checks).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -61,6 +60,8 @@ def convert_calibrated(src: str | os.PathLike, dst: str | os.PathLike, policy: P
     prefix = model_prefix(shapes)
     scales = _scales_for(chosen, input_scales or {}, prefix)
     smoothing, refused = _pre_quant_for(chosen, pre_quant_scales or {}, prefix, frozenset(pre_quant_formats))
+    for layer, scale in smoothing.items():  # before anything is written
+        check_pre_quant_scale(layer, scale, shapes[f"{layer}.weight"][1])
     for layer in refused:  # an FP8 scale calibrated on smoothed inputs does not fit the unsmoothed layer
         if scales.pop(layer, None) is not None:
             log.warning("LowBit: %s runs unsmoothed, so its calibrated input_scale is dropped (dynamic scale)", layer)
@@ -74,27 +75,14 @@ def convert_calibrated(src: str | os.PathLike, dst: str | os.PathLike, policy: P
             out.update(pre_quant_entry(layer, smoothing[layer]))
         return out
 
-    hooks = {}
-    if smoothing:
-        def transform_weight(layer: str, fmt: str, weight: torch.Tensor) -> torch.Tensor:
-            scale = smoothing.get(layer)
-            if scale is None:
-                return weight
-            check_pre_quant_scale(layer, scale, weight.shape[1])
-            return smoothed_weight(weight, scale.to(weight.device))
+    def transform_weight(layer: str, fmt: str, weight: torch.Tensor) -> torch.Tensor:
+        """The weight the smoothed layer stores: ``W diag(1 / pre_quant_scale)`` (fp32), as the node path."""
+        scale = smoothing.get(layer)
+        return weight if scale is None else smoothed_weight(weight, scale.to(weight.device))
 
-        hooks["transform_weight"] = _require_transform_hook(transform_weight)
     return convert_file(src, dst, policy, compute_dtype=compute_dtype, device=device, overwrite=overwrite,
-                        progress=progress, extra_entries=entries, extra_metadata=extra, **hooks)
-
-
-def _require_transform_hook(hook):
-    if "transform_weight" not in inspect.signature(convert_file).parameters:
-        raise PolicyError(
-            "this policy smooths layers (pre_quant_scale), which needs quant.convert.convert_file's transform_weight "
-            "hook to quantize the smoothed weight, and this LowBit's convert_file has none. Quantize with the "
-            "in-memory path (Quantize with Policy, then Save Quantized Model), or recalibrate with smoothing 'measure'.")
-    return hook
+                        progress=progress, extra_entries=entries, extra_metadata=extra,
+                        transform_weight=transform_weight if smoothing else None)
 
 
 def _pre_quant_for(chosen: Mapping[str, str], pre_quant_scales: Mapping[str, torch.Tensor], prefix: str,

@@ -59,11 +59,18 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
                  overwrite: bool = False,
                  progress: Callable[[int, int], None] | None = None,
                  extra_entries: Callable[[str, str], Mapping[str, torch.Tensor]] | None = None,
-                 extra_metadata: Mapping[str, str] | None = None) -> ConversionReport:
+                 extra_metadata: Mapping[str, str] | None = None,
+                 transform_weight: Callable[[str, str, torch.Tensor], torch.Tensor] | None = None) -> ConversionReport:
     """Quantize the float checkpoint ``src`` under ``policy`` into a new native checkpoint ``dst``.
 
     ``extra_entries(layer, format)`` may add tensors next to each quantized layer (a calibrated
     ``<layer>.input_scale``, say); ``extra_metadata`` adds header keys.
+
+    ``transform_weight(layer, format, weight)`` may replace each quantized layer's float weight just
+    before it is quantized (a SmoothQuant-smoothed ``W diag(1 / pre_quant_scale)``, say); it gets
+    the ``[out, in]`` weight as read (fp32 unless quantizing on a ``device`` from a 16-bit source),
+    on the CPU, and must return a float tensor of the same shape. Layers kept in float and other
+    tensors are written as read. Whatever it adds to the file goes through ``extra_entries``.
 
     ``progress(done, total)`` is called after each source tensor (``total`` = tensors in ``src``).
     The source's header metadata is carried over, plus ``lowbit_version``, ``lowbit_policy`` and
@@ -98,6 +105,8 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
                             # exact, and what every codec does first; done here so the 16-bit copy is freed
                             # before the fp32 temporaries exist (and because torch has no isfinite for fp8)
                             tensor = tensor.float()
+                        if transform_weight is not None:
+                            tensor = _transformed(transform_weight, layer, fmt, tensor)
                         writer.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device))
                         if extra_entries is not None:
                             writer.update(extra_entries(layer, fmt))
@@ -110,6 +119,16 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
     return ConversionReport(source=src, output=dst, plan=plan, layer_counts=plan.counts(),
                             bytes_in=src.stat().st_size, bytes_out=dst.stat().st_size,
                             seconds=time.perf_counter() - started)
+
+
+def _transformed(transform_weight, layer: str, fmt: str, weight: torch.Tensor) -> torch.Tensor:
+    """``transform_weight(layer, fmt, weight)``, checked: a float tensor of the weight's shape."""
+    out = transform_weight(layer, fmt, weight)
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.shape != weight.shape:
+        found = f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', '')}"
+        raise LowBitError(f"layer {layer!r}: transform_weight must return a float tensor of the weight's shape "
+                          f"{tuple(weight.shape)}, found {found}; fix the transform passed to convert_file")
+    return out
 
 
 def _release_freed_memory() -> None:

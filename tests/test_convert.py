@@ -15,7 +15,7 @@ from checkpoint_helpers import SMALL_FLUX, assert_qt_bit_equal, assert_state_dic
 from lowbit.quant.checkpoint import CheckpointWriter, inspect_checkpoint, load_quantized, open_checkpoint
 from lowbit.quant.convert import ConversionReport, convert_file
 from lowbit.quant.demo import tiny_flux_state_dict
-from lowbit.quant.errors import CheckpointFormatError
+from lowbit.quant.errors import CheckpointFormatError, LowBitError
 from lowbit.quant.formats import FORMATS
 from lowbit.quant.native import decode_comfy_quant, load_layer
 from lowbit.quant.policy import INT4_MODES, Policy
@@ -80,6 +80,37 @@ def test_explicit_device_gives_the_same_file(flux_file, tmp_path, mode):
     default = convert_file(src, tmp_path / "default.safetensors", Policy(mode=mode))
     on_device = convert_file(src, tmp_path / "device.safetensors", Policy(mode=mode), device="cpu")
     assert_state_dicts_bit_equal(load_file(on_device.output), load_file(default.output), f"{mode} device=cpu")
+
+
+def test_transform_weight_replaces_each_quantized_weight_before_quantizing(flux_file, tmp_path):
+    """The hook sees every quantized layer once, with its format and float weight, and only those;
+    what it returns is what gets quantized; every other tensor is written as read."""
+    src, sd = flux_file
+    policy = Policy(mode="int8_quarot")
+    seen = {}
+
+    def halve_columns(layer, fmt, weight):
+        seen[layer] = (fmt, weight.dtype, tuple(weight.shape))
+        out = weight.clone()
+        out[:, ::2] *= 0.5
+        return out
+
+    report = convert_file(src, tmp_path / "t.safetensors", policy, transform_weight=halve_columns)
+    assert seen == {d.name: ("int8_quarot", torch.float32, tuple(d.shape)) for d in report.plan.quantized}
+    loaded, written = load_quantized(report.output), load_file(report.output)
+    for layer in sorted(seen)[:3]:
+        expected = sd[f"{layer}.weight"].float().clone()
+        expected[:, ::2] *= 0.5
+        assert_qt_bit_equal(loaded.layers[layer], quantize_weight(expected, "int8_quarot"), layer)
+    kept = [k for k in sd if k.rpartition(".")[0] not in seen]
+    assert kept and all(torch.equal(written[k], sd[k]) for k in kept)
+
+
+def test_transform_weight_returning_a_wrong_shape_writes_nothing(flux_file, tmp_path):
+    src, _ = flux_file
+    with pytest.raises(LowBitError, match="transform_weight must return a float tensor of the weight's shape"):
+        convert_file(src, tmp_path / "t.safetensors", Policy(mode="int8"), transform_weight=lambda l, f, w: w[:, 1:])
+    assert leftovers(tmp_path) == [] and not (tmp_path / "t.safetensors").exists()
 
 
 def test_converted_file_is_refused_as_a_source(flux_file, tmp_path):

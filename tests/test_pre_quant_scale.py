@@ -4,7 +4,6 @@ format may carry it (no ComfyUI here; the runtime and the node paths are in test
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 
 import pytest
@@ -20,7 +19,6 @@ from lowbit.quant.calibration_pre_quant import (carries_pre_quant_scale, decode_
                                                 pre_quant_scale)
 from lowbit.quant.calibration_samples import record_linear_inputs
 from lowbit.quant.checkpoint import load_quantized, save_checkpoint
-from lowbit.quant.convert import convert_file
 from lowbit.quant.errors import PolicyError
 from lowbit.quant.formats import get_format
 from lowbit.quant.policy import Policy
@@ -138,9 +136,6 @@ def test_policy_file_keeps_the_exact_scale_and_refuses_edits(tmp_path):
     assert torch.equal(decode_scale("x", encode_scale(scale)), scale)
 
 
-@pytest.mark.skipif("transform_weight" not in inspect.signature(convert_file).parameters,
-                    reason="quant.convert.convert_file has no transform_weight hook yet (needed to write smoothed "
-                           "weights in the streaming conversion)")
 def test_calibrated_conversion_writes_the_smoothed_weight_and_its_scale(tmp_path):
     model, _, result = _calibrated(("int8_quarot",))
     state_dict = {f"{k}": v.detach().bfloat16() for k, v in model.state_dict().items() if "gains" not in k}
