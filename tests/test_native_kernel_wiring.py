@@ -29,6 +29,7 @@ from lowbit.kernels.backend import Backend, force_backend
 from lowbit.quant.compiled_linear import quantized_linear
 from lowbit.quant.formats import get_format
 from lowbit.quant.layouts import base, fp8_tensorwise, int8_tensorwise, w4a4_convrot, w4a8_asym
+from lowbit.quant.native import layer_tensors
 
 N, K = 96, 512  # K: a multiple of the ConvRot group (256); N, K: multiples of 16 for fp8
 
@@ -274,6 +275,19 @@ def test_w4a8_rows_our_kernel_cannot_decode_are_named():
     six_bit = QuantizedTensor(torch.zeros(N, 3 * K // 4, dtype=torch.int8), "AsymW4A8Int8Layout", qweight._params)
     assert "4-bit" in get_format("w4a8")._kernel_problem(x, six_bit)
     assert get_format("w4a8")._kernel_problem(x, qweight) is None
+
+
+def test_w4a8_file_with_6_bit_rows_loads_with_its_true_width():
+    """K comes from the group scales ([N, K / 16]), so a 6-bit file (rows of 3K/4 bytes) is not read as 4-bit."""
+    codec = get_format("w4a8")
+    _, qweight, x, _ = _problem("w4a8")
+    tensors = layer_tensors(codec, "blocks.0", qweight)
+    local = {key.split("blocks.0.", 1)[1]: value for key, value in tensors.items() if key != "blocks.0.comfy_quant"}
+    assert codec.from_state_dict("blocks.0", local, codec.comfy_quant(qweight))._params.orig_shape == (N, K)
+    local["weight"] = torch.zeros(N, 3 * K // 4, dtype=torch.int8)
+    loaded = codec.from_state_dict("blocks.0", local, codec.comfy_quant(qweight))
+    assert loaded._params.orig_shape == (N, K)
+    assert "4-bit" in codec._kernel_problem(x, loaded)  # kitchen's path runs it, not our 4-bit kernel
 
 
 # ---- w4a4 activation bits follow kitchen ------------------------------------------------------------

@@ -89,13 +89,17 @@ class W4A8AsymCodec(KitchenKernelCodec):
         check_matrix(layer, weight, self.spec.name, (torch.int8,))
         if s_rel.dtype == torch.uint8:
             s_rel = s_rel.view(torch.float8_e4m3fn)
-        n, half_k = weight.shape
+        n, row_bytes = weight.shape
+        group = int(conf_value(conf, "group_size", GROUP))
+        # K from the group scales ([N, K / group_size]), not the row bytes: 4-bit rows hold K / 2
+        # bytes, comfy-kitchen >= 0.2.40's 6-bit rows 3K / 4
+        k = s_rel.shape[1] * group if s_rel.dim() == 2 and s_rel.shape[1] > 0 else 2 * row_bytes
         try:
             params = AsymW4A8Int8Layout.Params(
                 scale=s_rel, s_channel=s_channel.float(), codebook=tensors.get("weight_codebook"),
                 correction=tensors.get("weight_correction"),
-                orig_dtype=compute_dtype, orig_shape=(n, 2 * half_k),
-                group_size=int(conf_value(conf, "group_size", GROUP)),
+                orig_dtype=compute_dtype, orig_shape=(n, k),
+                group_size=group,
                 convrot_groupsize=int(conf_value(conf, "convrot_groupsize", CONVROT_GROUP)),
             )
         except ValueError as err:  # kitchen validates shapes; say which layer
