@@ -38,6 +38,8 @@ EXIT_USER_ERROR = 2
 QUIET_LOGGERS = ("comfy_kitchen", "triton", "torch")  # held at WARNING unless --debug
 GPU_GENERATIONS = {(7, 5): "Turing", (8, 0): "Ampere", (8, 6): "Ampere", (8, 9): "Ada", (9, 0): "Hopper",
                    (10, 0): "Blackwell", (12, 0): "Blackwell"}
+#: calibrate --smoothing (quant.calibrate.SMOOTHING_MODES, spelled out so --help does not import torch)
+SMOOTHING_CHOICES = ("write", "measure", "off")
 FORMAT_COLUMNS = ("format", "weight bits", "activations", "comfy_quant format", "stock ComfyUI loads",
                   "fast path GPU", "fallback")
 
@@ -292,10 +294,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             bar.total = total
             bar.update(done - bar.n)
 
-        if calibration is not None:  # formats from the policy, plus the calibrated static FP8 input scales
+        if calibration is not None:
+            # formats from the policy, plus the calibrated static FP8 input scales and the SmoothQuant
+            # pre_quant_scales (smoothed weight + scale), for the formats the calibrating ComfyUI applied them to
             from .quant.calibration_apply import convert_calibrated
 
             report = convert_calibrated(src, out, policy, input_scales=calibration.input_scales(),
+                                        pre_quant_scales=calibration.pre_quant_scales(),
+                                        pre_quant_formats=calibration.config.pre_quant_formats,
                                         calibration_summary=calibration.metadata_summary(),
                                         compute_dtype=compute_dtype, device=device, overwrite=args.overwrite,
                                         progress=progress)
@@ -528,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--mode", choices=modes, metavar="MODE", help="one of: %(choices)s")
     q.add_argument("--policy", metavar="FILE",
                    help="a policy file (from 'lowbit calibrate', or a policy's JSON) instead of --mode/--preset/"
-                        "--ratio/--keep-float; a calibrated one also gives FP8 layers their static input_scale")
+                        "--ratio/--keep-float; a calibrated one also gives FP8 layers their static input_scale and "
+                        "smoothed layers their pre_quant_scale (the weight stored smoothed)")
     q.add_argument("--preset", default=None, choices=presets, metavar="PRESET",
                    help="architecture preset, one of: %(choices)s (default: auto = detect from the layer names)")
     q.add_argument("--ratio", type=float, default=None, metavar="R",
@@ -569,8 +576,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model_output: replay the recorded steps once per layer and candidate with only that layer "
                         "quantized and minimise the summed model-output error; layer_output: minimise the layers' "
                         "own errors (faster). Default %(default)s")
-    c.add_argument("--smoothing", choices=("measure", "off"), default="measure",
-                   help="also measure SmoothQuant smoothing per layer (reported, not applied; default %(default)s)")
+    c.add_argument("--smoothing", choices=SMOOTHING_CHOICES, default="write",
+                   help="write: measure SmoothQuant smoothing per layer and store a pre_quant_scale where it lowers "
+                        "the layer's error by 5%% and its format may carry one (LowBit's own formats; a native format "
+                        "only if this ComfyUI's loader applies it); measure: report the gain only; off: skip it "
+                        "(faster). Default %(default)s")
     c.add_argument("--seed", type=int, default=0, help="seed of the noise, stand-in embedding and row sample")
     c.add_argument("--device", default="auto", help="where the model runs: auto, cpu or cuda")
     c.add_argument("--comfyui", metavar="PATH", help="ComfyUI checkout (default: $COMFYUI_PATH, else ~/ComfyUI)")
