@@ -11,6 +11,9 @@ Two mechanisms, both reversible and both free of ComfyUI (the node layer wraps t
     On attach, each LoRA'd layer's weight is replaced by a merged copy (one stochastic rounding in
     the layout's basis, see :mod:`.stochastic`; plain fp32 addition for float layers). The original
     weight is kept - moved to ``offload_device`` while detached from the module - and put back on detach.
+    A layer with a SmoothQuant ``pre_quant_scale`` ``s`` runs ``linear(x * s, W_stored)`` with
+    ``W_stored = W diag(1 / s)``, so a delta of ``W`` is merged as ``delta diag(1 / s)`` (the
+    dynamic hooks need nothing: they see the layer's input before it is scaled).
 
 Layer keys are model state-dict keys (``diffusion_model.blocks.0.attn.qkv.weight``) relative to
 ``root``.
@@ -18,6 +21,7 @@ Layer keys are model state-dict keys (``diffusion_model.blocks.0.attn.qkv.weight
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Callable, Mapping, Sequence
@@ -25,8 +29,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
 
+from ..quant.calibration_pre_quant import PRE_QUANT_SCALE
 from ..quant.layouts.base import FormatCodec
-from .delta import DenseDelta, LowRankDelta
+from .delta import Delta, DenseDelta, LowRankDelta
 from .dynamic import LoraBank, add_into
 from .stochastic import codec_for_weight, layer_seed, merge_deltas, merge_float
 
@@ -174,12 +179,19 @@ class StochasticMerge:
     def _merge(self, key, module, original, deltas, compute_device):
         work = original.data if compute_device is None else original.data.to(compute_device)
         deltas = list(deltas)
+        scale = module._parameters.get(PRE_QUANT_SCALE)  # the stored weight is W diag(1 / scale)
+        if scale is not None:
+            scale = scale.detach().to(device=work.device, dtype=torch.float32)
         if self.dense_deltas is not None:
             as_float = work.dequantize().float() if isinstance(work, QuantizedTensor) else work.float()
+            if scale is not None:  # adapters (DoRA's norms, say) see the layer's own weight
+                as_float = as_float * scale
             deltas.extend(self.dense_deltas(key, as_float))
         if not any(d.strength != 0 for d in deltas):
             return None
         self.merges += 1
+        if scale is not None:
+            deltas = [_in_smoothed_space(d, scale, tuple(work.shape), key) for d in deltas]
         if isinstance(work, QuantizedTensor):
             codec = (self.codec_of(module) if self.codec_of is not None else None) or codec_for_weight(work)
             result = merge_deltas(codec, work, deltas, seed=layer_seed(self.seed, key), layer=key)
@@ -208,6 +220,17 @@ class StochasticMerge:
         self._kept.clear()
         if _KEEPING.get(self.root) is self:
             del _KEEPING[self.root]
+
+
+def _in_smoothed_space(delta: Delta, pre_quant_scale: torch.Tensor, shape: tuple[int, int], layer: str) -> Delta:
+    """``delta`` of a layer's weight ``W`` as the delta of its stored ``W diag(1 / pre_quant_scale)``:
+    its input side divided by the scale (``down``'s columns of a low-rank delta, fp32)."""
+    delta.check_fits(shape, layer)  # a LoRA for another model: its own error, not a broadcasting one
+    if isinstance(delta, LowRankDelta):
+        down = delta.down.to(device=pre_quant_scale.device, dtype=torch.float32)
+        return dataclasses.replace(delta, down=down / pre_quant_scale[None, :])
+    diff = delta.diff.to(device=pre_quant_scale.device, dtype=torch.float32)
+    return dataclasses.replace(delta, diff=diff / pre_quant_scale[None, :])
 
 
 #: per model, the one StochasticMerge keeping merges between detach and attach

@@ -10,6 +10,7 @@ from lowbit.lora.attach import DynamicLoras, StochasticMerge
 from lowbit.lora.delta import DenseDelta
 from lowbit.lora.keys import ParsedLora
 from lowbit.lora.stack import StackSlot, active_slots, low_rank_plan, stack_report
+from lowbit.lora.stochastic import merge_stochastic
 from lowbit.quant.formats import get_format
 
 OUT = 64
@@ -126,6 +127,79 @@ def test_stochastic_dense_deltas_from_adapters():
     with torch.no_grad():
         assert sqnr_db(x @ diff.T, model.blocks[1](x) - before) > 10
     merge.detach()
+
+
+class _SmoothedLinear(torch.nn.Linear):
+    """A layer as LowBit runs a calibrated one: ``linear(x * pre_quant_scale, Q(W / pre_quant_scale))``."""
+
+    def forward(self, x):
+        return super().forward(x * self.pre_quant_scale.to(x.dtype))
+
+
+def _smoothed_model(fmt: str, scale: torch.Tensor) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([_SmoothedLinear(IN_FEATURES, OUT, bias=False) for _ in range(2)])
+    codec = get_format(fmt)
+    for i, block in enumerate(model.blocks):
+        smoothed = base_weight(i) / scale[None, :]
+        block.weight = torch.nn.Parameter(codec.quantize(smoothed, compute_dtype=torch.float32), requires_grad=False)
+        block.pre_quant_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
+    return model
+
+
+#: LowBit's formats that carry a pre_quant_scale on stock ComfyUI, and the SQNR (dB) of a stochastic merge's
+#: output change against the exact one: the bars of test_stochastic_attach_swaps_merged_weights... above
+SMOOTHED_FORMATS = {"int8_quarot": 10.0, "int8_hadanorm": 10.0, "fp8_rowwise": 10.0}
+
+
+@pytest.mark.parametrize("fmt,min_sqnr", list(SMOOTHED_FORMATS.items()))
+def test_stochastic_merge_on_a_smoothed_layer_matches_dynamic(fmt, min_sqnr):
+    """The stored weight is W / s per input channel, so a LoRA delta is merged as delta / s; Dynamic adds
+    x @ delta^T to the output (it sees x before the layer scales it). Both must change the output alike."""
+    gen = torch.Generator().manual_seed(4)
+    scale = torch.exp(torch.randn(IN_FEATURES, generator=gen)).bfloat16()  # ~0.05..20: as calibration gives
+    slots = _stack()
+    x = torch.randn(8, IN_FEATURES, generator=torch.Generator().manual_seed(5))
+    model = _smoothed_model(fmt, scale)
+    with torch.no_grad():
+        before = torch.cat([model.blocks[0](x), model.blocks[1](x)], dim=-1)
+    plan = {k: v for k, v in low_rank_plan(slots).items() if k.startswith("blocks.")}
+    exact = torch.cat([x @ sum(dense(d) for _, d in plan[k]).T for k in ("blocks.0.weight", "blocks.1.weight")], -1)
+
+    dynamic = DynamicLoras(model, plan)
+    dynamic.attach("cpu")
+    with torch.no_grad():
+        dynamic_out = torch.cat([model.blocks[0](x), model.blocks[1](x)], dim=-1)
+    dynamic.detach()
+    merge = StochasticMerge(model, plan, seed=7)
+    merge.attach("cpu", "cpu")
+    with torch.no_grad():
+        stochastic_out = torch.cat([model.blocks[0](x), model.blocks[1](x)], dim=-1)
+    merge.detach()
+    print(f"{fmt}: stochastic vs dynamic change {sqnr_db(dynamic_out - before, stochastic_out - before):.1f} dB")
+    assert sqnr_db(exact, dynamic_out - before) > 60
+    assert sqnr_db(dynamic_out - before, stochastic_out - before) > min_sqnr
+    # merging the delta itself (in W's space, not W / s's) would be far off: what the test guards against
+    codec, layer = get_format(fmt), model.blocks[0]
+    naive = merge_stochastic(codec, layer.weight.data, [d for _, d in plan["blocks.0.weight"]], seed=7)
+    with torch.no_grad():
+        naive_change = torch.nn.functional.linear(x * scale.float(), naive.dequantize().float()) - before[:, :OUT]
+    print(f"{fmt}: merged without dividing by the scale {sqnr_db(exact[:, :OUT], naive_change):.1f} dB")
+    assert sqnr_db(exact[:, :OUT], naive_change) < 0 < min_sqnr
+
+
+def test_stochastic_dense_deltas_see_the_smoothed_layers_own_weight():
+    scale = torch.linspace(0.25, 4.0, IN_FEATURES)
+    model = _smoothed_model("int8_quarot", scale)
+    seen = {}
+
+    def dense_deltas(key, weight):
+        seen[key] = weight
+        return []
+
+    stored = model.blocks[1].weight.dequantize().float()
+    StochasticMerge(model, {}, seed=3, dense_deltas=dense_deltas, dense_layers=["blocks.1.weight"]).attach()
+    assert torch.equal(seen["blocks.1.weight"], stored * scale)  # W (as stored, times s), not the stored W / s
 
 
 def test_bench_smoke_run():
