@@ -29,10 +29,11 @@ LORA_LAYERS = ("double_blocks.0.img_attn.qkv", "double_blocks.1.txt_mlp.0", "sin
 def _kohya_lora(seed: int) -> dict[str, torch.Tensor]:
     sd, gen, out = tiny_flux_bf16(), torch.Generator().manual_seed(seed), {}
     for layer in LORA_LAYERS:
-        n, k = sd[f"{layer}.weight"].shape
+        weight = sd[f"{layer}.weight"].float()
+        n, k = weight.shape
         prefix = f"lora_unet_{layer.replace('.', '_')}"
         out[f"{prefix}.lora_down.weight"] = torch.randn(8, k, generator=gen) / k**0.5
-        out[f"{prefix}.lora_up.weight"] = torch.randn(n, 8, generator=gen) * 0.3 * float(sd[f"{layer}.weight"].float().std())
+        out[f"{prefix}.lora_up.weight"] = torch.randn(n, 8, generator=gen) * 0.3 * float(weight.std())
         out[f"{prefix}.alpha"] = torch.tensor(8.0)
     return {k: v.to(torch.bfloat16).contiguous() for k, v in out.items()}
 
