@@ -10,6 +10,9 @@ Layers that carry a SmoothQuant ``pre_quant_scale`` (written by calibration wher
 layer's error) get a ``pre_quant_scale`` column (shown when any layer has one); their stored bytes
 include the scale, and their probe input is multiplied by it, as the layer runs. What smoothing
 changed in each layer's error is measured on real inputs by Calibrate Policy (its report).
+
+Above the table, the policy the model was quantized with (mode, preset, how many layers a
+calibration chose, from ``model.lowbit_info``), and per layer the policy rule that chose its format.
 """
 
 from __future__ import annotations
@@ -99,11 +102,26 @@ def other_tensor_bytes(model, quantized: set[str], exclude: Mapping[str, object]
     return total
 
 
-def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool) -> str:
-    """The report as a markdown table, with totals."""
+def policy_line(info) -> str:
+    """One line naming the policy of a model's ``lowbit_info`` (``None``: not quantized by a LowBit policy)."""
+    if info is None or info.policy is None:
+        return f"**policy:** none recorded ({info.source if info is not None else 'not quantized by LowBit'})"
+    preset = info.plan.preset if info.plan is not None else info.policy.get("preset")
+    line = f"**policy:** mode {info.policy.get('mode')}, preset {preset} ({info.source})"
+    calibrated = info.policy.get("layer_formats") or {}
+    if calibrated:
+        line += (f"; {len(calibrated)} layer(s) in calibrated formats (`layer_formats`; each format's measured error: "
+                 f"Calibrate Policy's report)")
+    return line
+
+
+def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool,
+                 reasons: Mapping[str, str] | None = None) -> str:
+    """The report as a markdown table, with totals; ``reasons``: ``{layer: policy rule}`` (a "chosen by" column)."""
     smoothed = any(r.pre_quant_scale for r in rows)
     header = ["layer", "format", "shape", "bf16", "stored", "ratio"] + (["rel. output error", "SQNR dB"] if measured else [])
     header += ["pre_quant_scale"] if smoothed else []
+    header += ["chosen by"] if reasons else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         cells = [r.layer, r.format, "x".join(map(str, r.shape)), _size(r.bf16_bytes), _size(r.stored_bytes),
@@ -112,6 +130,8 @@ def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool) -> s
             cells += [f"{r.rel_error:.2e}", _sqnr(r.rel_error)]
         if smoothed:
             cells.append("yes" if r.pre_quant_scale else "-")
+        if reasons:
+            cells.append(reasons.get(r.layer, "-").replace("|", "\\|"))  # a regex alternation, escaped for markdown
         lines.append("| " + " | ".join(cells) + " |")
     before = sum(r.bf16_bytes for r in rows)
     after = sum(r.stored_bytes for r in rows)
@@ -176,12 +196,14 @@ class LowBitQuantizationReport(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, measure_error: bool, probe_tokens: int = 64, probe_seed: int = 0) -> io.NodeOutput:
-        from .model_quant import quantized_layers
+        from .model_quant import model_info, quantized_layers
 
+        info = model_info(model)
+        reasons = {d.name: d.reason for d in info.plan.layers} if info is not None and info.plan is not None else None
         layers = quantized_layers(model)
         scales = pre_quant_scales_of(model)
         rows = layer_rows(layers, measure_error=measure_error, probe_tokens=probe_tokens, seed=probe_seed,
                           pre_quant_scales=scales)
         other = other_tensor_bytes(model, {_strip(layer) for layer, _, _ in layers}, exclude=scales)
-        table = format_table(rows, other, measured=measure_error)
+        table = policy_line(info) + "\n\n" + format_table(rows, other, measured=measure_error, reasons=reasons)
         return io.NodeOutput(table, ui=ui.PreviewText(table))
