@@ -286,16 +286,45 @@ def _dynamic_applier(patcher, info: _ModelKeys, active, files, position: int) ->
         import comfy.lora
         from comfy.weight_adapter.bypass import BypassInjectionManager
 
-        manager = BypassInjectionManager()
+        managers: list = []  # ComfyUI's manager keeps one adapter per module: stacked ones need one each
         for slot, prefixes in adapters:
+            dora = sum(f"{p}.dora_scale" in files[slot.name][1] for p in prefixes)
+            if dora:
+                log.warning("LowBit: %s: dynamic mode runs %d DoRA layers without their magnitude normalization "
+                            "(ComfyUI's bypass ignores dora_scale); use stochastic or standard for this LoRA",
+                            slot.name, dora)
             for target, adapter in comfy.lora.load_lora(files[slot.name][1], prefixes, log_missing=False).items():
-                if isinstance(target, str):
-                    manager.add_adapter(target, adapter, strength=slot.strength)
-                else:
-                    log.warning("LowBit: %s: %s on a slice of %s cannot run in dynamic mode; use stochastic or "
-                                "standard for this LoRA", slot.name, type(adapter).__name__, target[0])
-        bypass = manager.create_injections(patcher.model)
-    return _DynamicApplier(loras, {s.name: s.strength for s in active}, bypass)
+                diff = isinstance(adapter, tuple) and adapter[0] == "diff" and adapter[1][0].dim() <= 2
+                if isinstance(target, str) and diff:
+                    adapter = _DiffBypass(adapter[1][0])  # a full weight or bias diff: its share of the output
+                elif not isinstance(target, str) or isinstance(adapter, tuple):
+                    log.warning("LowBit: %s: %s on %s cannot run in dynamic mode; use stochastic or standard for "
+                                "this LoRA", slot.name, adapter[0] if isinstance(adapter, tuple) else
+                                type(adapter).__name__, target if isinstance(target, str) else target[0])
+                    continue
+                module = target.rsplit(".", 1)[0] if target.endswith((".weight", ".bias")) else target
+                manager = next((m for m in managers if module not in m.adapters), None)
+                if manager is None:
+                    managers.append(manager := BypassInjectionManager())
+                manager.add_adapter(module, adapter, strength=slot.strength)
+        bypass = [injection for m in managers for injection in m.create_injections(patcher.model)]
+    return _DynamicApplier(loras, {s.name: s.strength for s in active if s.name in loras.names}, bypass)
+
+
+class _DiffBypass:
+    """A ``diff`` patch as a bypass adapter for ComfyUI's ``BypassForwardHook``: ``h(x) = x diffᵀ`` for a
+    weight diff, the diff itself for a bias diff, times the hook's ``multiplier`` (the strength)."""
+
+    def __init__(self, diff: torch.Tensor):
+        self.weights = (diff,)
+
+    def h(self, x: torch.Tensor, base_out: torch.Tensor) -> torch.Tensor:
+        diff = self.weights[0].to(device=x.device, dtype=x.dtype)
+        term = diff if diff.dim() == 1 else torch.nn.functional.linear(x, diff)
+        return term * getattr(self, "multiplier", 1.0)
+
+    def g(self, y: torch.Tensor) -> torch.Tensor:
+        return y
 
 
 def _stochastic_applier(patcher, info: _ModelKeys, active, files, seed: int) -> _StochasticApplier:
