@@ -46,7 +46,8 @@ from ..quant.policy import Policy
 from . import CATEGORY
 from .comfy_ops import module_codec
 from .common import AUTO, PRESET_TOOLTIP, NodeInputError, preset_options, progress_bar
-from .model_quant import diffusion_model_of, linear_layers, plan_for, quantize_model
+from .model_quant import (INFO_ATTR, CalibrationRecord, diffusion_model_of, linear_layers, model_info, plan_for,
+                          quantize_model)
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +235,14 @@ def _other_bytes(dm: torch.nn.Module, calibrated: set[str]) -> int:
 
 def apply_policy(model_patcher, policy: Policy, input_scales: dict[str, float] | None = None, *,
                  pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
+                 calibration: CalibrationResult | None = None,
                  progress: Callable[[int, int], None] | None = None):
     """A quantized copy of ``model_patcher`` under ``policy``, FP8 layers carrying their static input scales
     and the layers in ``pre_quant_scales`` stored smoothed with theirs, where this ComfyUI allows it for
-    the layer's format (else that layer is quantized unsmoothed, without its input scale, and a warning logged)."""
+    the layer's format (else that layer is quantized unsmoothed, without its input scale, and a warning logged).
+
+    ``calibration``: the calibration behind ``policy``; its per-layer errors and checkpoint summary are
+    recorded on the result's ``lowbit_info`` (a :class:`CalibrationRecord`, for the Report and Save nodes)."""
     named = set(policy.layer_format_map)
     if named:
         known = set(linear_layers(diffusion_model_of(model_patcher)))
@@ -251,11 +256,20 @@ def apply_policy(model_patcher, policy: Policy, input_scales: dict[str, float] |
     input_scales = dict(input_scales or {})
     smoothing = _carried_pre_quant_scales(model_patcher, policy, pre_quant_scales or {}, input_scales)
     result = quantize_model(model_patcher, policy, progress=progress, pre_quant_scales=smoothing)
+    record = CalibrationRecord.from_result(calibration) if calibration is not None else None
     _set_input_scales(result, input_scales)
+    _record_calibration(result, record)
     recipe = getattr(result, "cached_patcher_init", None)
     if recipe is not None:  # a reload (ComfyUI's cached_patcher_init) must bring the scales back too
-        result.cached_patcher_init = (_reload_with_scales, (recipe, input_scales))
+        result.cached_patcher_init = (_reload_with_scales, (recipe, input_scales, record))
     return result
+
+
+def _record_calibration(model_patcher, record: CalibrationRecord | None) -> None:
+    if record is None:
+        return
+    info = model_info(model_patcher)
+    setattr(model_patcher.model, INFO_ATTR, dataclasses.replace(info, calibration=record))
 
 
 def _carried_pre_quant_scales(model_patcher, policy: Policy, pre_quant_scales: Mapping[str, torch.Tensor],
@@ -293,10 +307,12 @@ def _set_input_scales(model_patcher, input_scales: dict[str, float]) -> None:
             torch.tensor(float(scale), dtype=torch.float32, device=module.weight.device), requires_grad=False))
 
 
-def _reload_with_scales(recipe, input_scales, disable_dynamic: bool = False):
+def _reload_with_scales(recipe, input_scales, record: CalibrationRecord | None = None,
+                        disable_dynamic: bool = False):
     kwargs = {"disable_dynamic": True} if disable_dynamic else {}
     model = recipe[0](*recipe[1], **kwargs)
     _set_input_scales(model, input_scales)
+    _record_calibration(model, record)
     return model
 
 
@@ -400,5 +416,5 @@ class LowBitApplyPolicy(io.ComfyNode):
     def execute(cls, model, policy: str) -> io.NodeOutput:
         parsed, scales, calibration = policy_and_scales(policy)
         smoothing = calibration.pre_quant_scales() if calibration is not None else {}
-        return io.NodeOutput(apply_policy(model, parsed, scales, pre_quant_scales=smoothing,
+        return io.NodeOutput(apply_policy(model, parsed, scales, pre_quant_scales=smoothing, calibration=calibration,
                                           progress=progress_bar("quantizing with policy")))

@@ -20,7 +20,8 @@ Stable API (the Quantize, Load, Save and Report nodes use it):
     Every Linear of the diffusion model whose weight LowBit can run, in model order; ``layer`` is
     relative to the diffusion model, ``format_name`` a ``quant.formats.FORMATS`` key.
 ``is_quantized(model_patcher) -> bool`` and ``model_info(model_patcher) -> LowBitModelInfo | None``
-    Whether the model already holds quantized weights; what LowBit recorded when it made it.
+    Whether the model already holds quantized weights; what LowBit recorded when it made it (with
+    the :class:`CalibrationRecord` when Quantize with Policy applied a calibrated policy).
 """
 
 from __future__ import annotations
@@ -72,6 +73,57 @@ class NothingToQuantizeError(LowBitError):
 
 
 @dataclass(frozen=True)
+class CalibratedLayer:
+    """What Calibrate Policy measured on one layer, as the Quantization Report shows it.
+
+    Errors are relative errors under the calibration's objective (``CalibrationRecord.objective``):
+    the model-output error with only this layer in that format (``model_output``), or the layer's own
+    output error (``layer_output``); each format as it runs (smoothed where the calibration smoothed it).
+    """
+
+    name: str  # relative to the diffusion model
+    format: str  # the chosen format, or "float"
+    errors: tuple[tuple[str, float], ...]  # (format, error) of every measured format, the chosen one first
+    #: the layer's own error (with, without) its pre_quant_scale, when the chosen format runs smoothed
+    pre_quant_errors: tuple[float, float] | None = None
+
+    @property
+    def error(self) -> float:
+        """The chosen format's error (what the calibration's choice minimised, summed over layers)."""
+        return dict(self.errors)[self.format]
+
+    @property
+    def alternatives(self) -> tuple[tuple[str, float], ...]:
+        return tuple((fmt, error) for fmt, error in self.errors if fmt != self.format)
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """The calibration a model was quantized under (Quantize with Policy): per-layer errors and the
+    ``lowbit_calibration`` summary a saved checkpoint carries (``CalibrationResult.metadata_summary``)."""
+
+    objective: str  # "model_output" or "layer_output"
+    summary: dict  # CalibrationResult.metadata_summary(), JSON-ready
+    layers: tuple[CalibratedLayer, ...]
+
+    @classmethod
+    def from_result(cls, result) -> "CalibrationRecord":
+        """From a ``quant.calibrate.CalibrationResult``."""
+        layers = []
+        for layer in result.layers:
+            chosen = layer.chosen
+            errors = [(layer.format, layer.cost(layer.format, result.objective))]
+            errors += [(m.format, layer.cost(m.format, result.objective)) for m in layer.measured
+                       if m.format != layer.format]
+            smoothed = (chosen.smoothed_error, chosen.error) if chosen.smoothed else None
+            layers.append(CalibratedLayer(layer.name, layer.format, tuple(errors), smoothed))
+        return cls(objective=result.objective, summary=result.metadata_summary(), layers=tuple(layers))
+
+    def by_layer(self) -> dict[str, CalibratedLayer]:
+        return {layer.name: layer for layer in self.layers}
+
+
+@dataclass(frozen=True)
 class LowBitModelInfo:
     """What LowBit recorded on a model it quantized or loaded (``model.lowbit_info``)."""
 
@@ -80,6 +132,7 @@ class LowBitModelInfo:
     policy: dict | None = None
     ops: dict = field(default_factory=dict)
     baked_patches: int = 0
+    calibration: CalibrationRecord | None = None  # set by Quantize with Policy from a calibrated policy
 
 
 # ---- queries ------------------------------------------------------------------------------------

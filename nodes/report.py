@@ -13,6 +13,10 @@ changed in each layer's error is measured on real inputs by Calibrate Policy (it
 
 Above the table, the policy the model was quantized with (mode, preset, how many layers a
 calibration chose, from ``model.lowbit_info``), and per layer the policy rule that chose its format.
+A model from Quantize with Policy carries its calibration (``lowbit_info.calibration``): each layer
+then gets its *calibrated error*, the error Calibrate Policy measured for the chosen format on the
+recorded denoising steps (under the calibration's objective), the errors of the other formats it
+measured, and for smoothed layers the layer's own error with / without its ``pre_quant_scale``.
 """
 
 from __future__ import annotations
@@ -102,6 +106,11 @@ def other_tensor_bytes(model, quantized: set[str], exclude: Mapping[str, object]
     return total
 
 
+#: what a calibrated error is, per calibration objective
+OBJECTIVE_ERRORS = {"model_output": "model-output error with only that layer in that format",
+                    "layer_output": "the layer's own output error"}
+
+
 def policy_line(info) -> str:
     """One line naming the policy of a model's ``lowbit_info`` (``None``: not quantized by a LowBit policy)."""
     if info is None or info.policy is None:
@@ -109,18 +118,32 @@ def policy_line(info) -> str:
     preset = info.plan.preset if info.plan is not None else info.policy.get("preset")
     line = f"**policy:** mode {info.policy.get('mode')}, preset {preset} ({info.source})"
     calibrated = info.policy.get("layer_formats") or {}
-    if calibrated:
+    record = info.calibration
+    if calibrated and record is None:
         line += (f"; {len(calibrated)} layer(s) in calibrated formats (`layer_formats`; each format's measured error: "
                  f"Calibrate Policy's report)")
+    elif record is not None:
+        summary = record.summary
+        line += (f"; {len(record.layers)} layer(s) calibrated to {summary.get('config', {}).get('budget')} "
+                 f"(objective {record.objective}, summed error {summary.get('total_error', 0.0):.4g}); "
+                 f"*calibrated error*: the relative {OBJECTIVE_ERRORS.get(record.objective, record.objective)}, "
+                 f"measured by Calibrate Policy on the recorded denoising steps")
     return line
 
 
 def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool,
-                 reasons: Mapping[str, str] | None = None) -> str:
-    """The report as a markdown table, with totals; ``reasons``: ``{layer: policy rule}`` (a "chosen by" column)."""
+                 reasons: Mapping[str, str] | None = None, calibrated: Mapping[str, object] | None = None) -> str:
+    """The report as a markdown table, with totals; ``reasons``: ``{layer: policy rule}`` (a "chosen by" column);
+    ``calibrated``: ``{layer: model_quant.CalibratedLayer}`` ("calibrated error" and "other formats" columns, and
+    the error with / without ``pre_quant_scale`` where a layer was calibrated smoothed)."""
     smoothed = any(r.pre_quant_scale for r in rows)
+    calibrated = calibrated or {}
+    with_calibration = any(r.layer in calibrated for r in rows)
+    smoothing_measured = any(calibrated[r.layer].pre_quant_errors for r in rows if r.layer in calibrated)
     header = ["layer", "format", "shape", "bf16", "stored", "ratio"] + (["rel. output error", "SQNR dB"] if measured else [])
     header += ["pre_quant_scale"] if smoothed else []
+    header += ["calibrated error", "other formats (calibrated)"] if with_calibration else []
+    header += ["pre_quant_scale: error with / without (calibrated)"] if smoothing_measured else []
     header += ["chosen by"] if reasons else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
@@ -130,6 +153,10 @@ def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool,
             cells += [f"{r.rel_error:.2e}", _sqnr(r.rel_error)]
         if smoothed:
             cells.append("yes" if r.pre_quant_scale else "-")
+        if with_calibration:
+            cells += _calibrated_cells(r, calibrated.get(r.layer), smoothing_measured)
+        elif smoothing_measured:
+            cells.append("-")
         if reasons:
             cells.append(reasons.get(r.layer, "-").replace("|", "\\|"))  # a regex alternation, escaped for markdown
         lines.append("| " + " | ".join(cells) + " |")
@@ -151,9 +178,29 @@ def format_table(rows: list[LayerRow], other_bytes: int, *, measured: bool,
         worst = max(rows, key=lambda r: r.rel_error)
         summary.append(f"**largest relative output error:** {worst.rel_error:.2e} ({worst.layer}, {worst.format})")
     if smoothed:
+        where = "the calibrated column above" if smoothing_measured else "Calibrate Policy's report"
         summary.append(f"**layers with a SmoothQuant pre_quant_scale:** {sum(r.pre_quant_scale for r in rows)} "
-                       f"(their error with and without it: Calibrate Policy's report)")
+                       f"(their error with and without it: {where})")
+    if with_calibration:
+        worst = max((r for r in rows if r.layer in calibrated), key=lambda r: calibrated[r.layer].error)
+        summary.append(f"**largest calibrated error:** {calibrated[worst.layer].error:.3e} ({worst.layer}, "
+                       f"{calibrated[worst.layer].format})")
     return "\n".join(lines + summary)
+
+
+def _calibrated_cells(row: LayerRow, layer, smoothing_measured: bool) -> list[str]:
+    """The calibration columns of one row (``layer``: its ``CalibratedLayer``, ``None``: not calibrated)."""
+    if layer is None:
+        return ["-", "-"] + (["-"] if smoothing_measured else [])
+    error = f"{layer.error:.3e}"
+    if layer.format != row.format:  # the model holds another format than the calibration chose (a shape fallback)
+        error += f" (calibrated as {layer.format})"
+    others = ", ".join(f"{fmt} {value:.3e}" for fmt, value in layer.alternatives) or "-"
+    cells = [error, others]
+    if smoothing_measured:
+        cells.append("-" if layer.pre_quant_errors is None else
+                     "{:.3e} / {:.3e}".format(*layer.pre_quant_errors))
+    return cells
 
 
 def _strip(layer: str) -> str:
@@ -178,8 +225,9 @@ class LowBitQuantizationReport(io.ComfyNode):
             node_id="LowBitQuantizationReport",
             display_name="Quantization Report (LowBit)",
             category=CATEGORY,
-            description="Show which format each layer of a quantized model uses, its size before and after, "
-                        "and optionally the measured error of each quantized linear.",
+            description="Show which format each layer of a quantized model uses, its size before and after, the "
+                        "policy behind it, each layer's calibrated error (a model from Quantize with Policy), and "
+                        "optionally the measured error of each quantized linear.",
             inputs=[
                 io.Model.Input("model", tooltip="A model from Quantize Model (LowBit) or Load Diffusion Model (LowBit)."),
                 io.Boolean.Input("measure_error", default=False,
@@ -205,5 +253,7 @@ class LowBitQuantizationReport(io.ComfyNode):
         rows = layer_rows(layers, measure_error=measure_error, probe_tokens=probe_tokens, seed=probe_seed,
                           pre_quant_scales=scales)
         other = other_tensor_bytes(model, {_strip(layer) for layer, _, _ in layers}, exclude=scales)
-        table = policy_line(info) + "\n\n" + format_table(rows, other, measured=measure_error, reasons=reasons)
+        calibrated = info.calibration.by_layer() if info is not None and info.calibration is not None else None
+        table = policy_line(info) + "\n\n" + format_table(rows, other, measured=measure_error, reasons=reasons,
+                                                          calibrated=calibrated)
         return io.NodeOutput(table, ui=ui.PreviewText(table))

@@ -72,7 +72,10 @@ def check_savable(model) -> None:
 
 def checkpoint_metadata(model, workflow: dict[str, str] | None) -> dict[str, str] | None:
     """The header metadata of a saved model: the workflow's (unless disabled) plus, for a model LowBit
-    quantized, its version, policy and plan (what the file holds, so kept even with --disable-metadata)."""
+    quantized, its version, policy and plan (what the file holds, so kept even with --disable-metadata),
+    and for a model quantized under a calibrated policy the ``lowbit_calibration`` summary the CLI's
+    ``quantize --policy`` writes (``CalibrationResult.metadata_summary``, JSON with sorted keys)."""
+    from ..quant.calibration_apply import LOWBIT_CALIBRATION_KEY
     from ..quant.checkpoint import lowbit_metadata
     from ..quant.policy import Policy
     from .model_quant import model_info
@@ -80,7 +83,10 @@ def checkpoint_metadata(model, workflow: dict[str, str] | None) -> dict[str, str
     info = model_info(model)
     if info is None or info.policy is None or info.plan is None:
         return workflow
-    return lowbit_metadata(workflow or {}, Policy.from_dict(info.policy), info.plan)
+    metadata = lowbit_metadata(workflow or {}, Policy.from_dict(info.policy), info.plan)
+    if info.calibration is not None:
+        metadata[LOWBIT_CALIBRATION_KEY] = json.dumps(info.calibration.summary, sort_keys=True)
+    return metadata
 
 
 def workflow_metadata(prompt, extra_pnginfo) -> dict[str, str] | None:
