@@ -39,7 +39,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import PolicyError
 
@@ -282,7 +282,9 @@ def _matching(names: Mapping[str, Shape | None]) -> tuple[Preset, ...]:
     return tuple(sorted(matches, key=lambda p: p._rank, reverse=True))
 
 
-def _detect(names: Mapping[str, Shape | None]) -> Preset:
+def _detect(names: Mapping[str, Shape | None], classes: Sequence[str] = ()) -> Preset:
+    """The best preset by key fingerprint; ``classes``: the ComfyUI classes seen first (none claimed by
+    a preset), named in the warning when the keys match no preset either."""
     matches = _matching(names)
     if matches:
         if len(matches) > 1 and matches[0]._rank == matches[1]._rank:
@@ -290,8 +292,9 @@ def _detect(names: Mapping[str, Shape | None]) -> Preset:
                         [p.name for p in matches], matches[0].name)
         return matches[0]
     sample = ", ".join(sorted(names)[:8])
-    log.warning("LowBit: no preset matches this model (%d keys, e.g. %s ...); using the conservative "
-                "'generic' policy. Pick a preset by name if you know the architecture.", len(names), sample)
+    seen = f"ComfyUI class(es) {', '.join(classes)}, which no preset claims; " if classes else ""
+    log.warning("LowBit: no preset matches this model (%s%d keys, e.g. %s ...); using the conservative "
+                "'generic' policy. Pick a preset by name if you know the architecture.", seen, len(names), sample)
     return get_preset(GENERIC)
 
 
@@ -341,7 +344,7 @@ def detect_preset_from_classes(class_names: Iterable[str], keys: Mapping[str, An
                          class_name, chosen.name, by_keys[0].name)
         return chosen
     if names is not None:
-        return _detect(names)
+        return _detect(names, class_names)
     log.warning("LowBit: no preset claims the ComfyUI classes %s and no keys were given; using the "
                 "conservative 'generic' policy", class_names)
     return get_preset(GENERIC)

@@ -167,6 +167,21 @@ def test_unknown_classes_without_keys_warn(caplog):
     assert "my.custom.Model" in caplog.text
 
 
+def test_unclaimed_class_with_unmatched_keys_warns_naming_the_class_and_the_keys(caplog):
+    keys = {"encoder.layer.0.dense.weight": (64, 64), "pooler.weight": (64, 64)}
+    with caplog.at_level(logging.WARNING, logger=P.__name__):
+        preset = P.detect_preset_from_classes(["my.custom.ModelConfig", "my.custom.Net"], keys=keys)
+    assert preset.name == P.GENERIC
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "no preset matches" in warnings[0] and "encoder.layer.0.dense.weight" in warnings[0]
+    assert "my.custom.ModelConfig, my.custom.Net" in warnings[0] and "no preset claims" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=P.__name__):
+        P.detect_preset(keys)  # no class known: the warning names none
+    assert "no preset matches" in caplog.text and "ComfyUI class" not in caplog.text
+
+
 # ---- real ComfyUI models --------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
