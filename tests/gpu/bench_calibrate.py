@@ -151,7 +151,7 @@ def run(a: argparse.Namespace, device: torch.device, report) -> None:
                peak_vram_gb=peak_gb(device))
     policy_path = report.path.with_name(report.path.stem + ".policy.json")
     result.save(policy_path, overwrite=True)
-    cal["policy_file"] = str(policy_path)
+    cal["policy_file"] = policy_path.name  # next to this report (no machine path in the record)
     report.save()
 
     calibrated = measure_quantized("calibrated", lambda: apply_policy(base, result.policy, result.input_scales()),
