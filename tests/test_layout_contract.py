@@ -19,8 +19,6 @@ kitchen dequantizes the FP8 weight instead (``test_kitchen_fp8_dequantizes_a_flo
 
 from __future__ import annotations
 
-import contextlib
-import io
 
 import pytest
 import safetensors.torch

@@ -107,7 +107,6 @@ def test_import_lowbit_without_comfyui():
 
 def test_repo_root_exposes_comfy_entrypoint():
     """ComfyUI imports the folder's __init__.py and awaits ``comfy_entrypoint()``."""
-    import asyncio
     import inspect
 
     import lowbit
