@@ -7,7 +7,7 @@ sum itself does not depend on it. A slot at strength 0 is off.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .delta import LowRankDelta
 from .keys import ParsedLora
@@ -46,13 +46,42 @@ def adapter_plan(slots: Sequence[StackSlot]) -> list[tuple[StackSlot, dict[str, 
     return [(s, dict(s.parsed.adapters)) for s in active_slots(slots) if s.parsed.adapters]
 
 
-def stack_report(slots: Sequence[StackSlot], mode: str) -> str:
-    """A human-readable account of what the stack does: per LoRA, what matched and what did not."""
+@dataclass(frozen=True)
+class LeftOut:
+    """A LoRA entry that matched a layer but that the chosen mode cannot apply: which LoRA (slot name),
+    the model key, what kind of entry, why, and what to do instead."""
+
+    slot: str
+    key: str
+    what: str
+    reason: str
+    fix: str = "use mode standard for this LoRA"
+
+
+def stack_report(slots: Sequence[StackSlot], mode: str, *, left_out: Sequence[LeftOut] = (),
+                 merged: Mapping[str, Sequence[str]] | None = None, limit: int = 8) -> str:
+    """A human-readable account of what the stack does: per LoRA, what matched, what did not, what the
+    mode leaves out (``left_out``) and, in dynamic mode, which layers it merged instead (``merged``:
+    slot name -> model weight keys)."""
     active = active_slots(slots)
+    merged = merged or {}
     lines = [f"LoRA stack ({mode}): {len(active)} active of {len(slots)}"]
     for slot in slots:
         state = "off (strength 0)" if slot.strength == 0 else f"strength {slot.strength:g}"
         lines.append(f"- {slot.parsed.summary(f'{slot.name} [{state}]')}")
+        layers = merged.get(slot.name, ())
+        if layers:
+            lines.append(f"  merged into the weights instead of run dynamically (DoRA): {len(layers)} layers "
+                         f"({', '.join(layers[:limit])}{', ...' if len(layers) > limit else ''}); a strength "
+                         f"change of this LoRA re-merges them")
+        mine = [item for item in left_out if item.slot == slot.name]
+        if mine:
+            lines.append(f"  left out by {mode} mode: {len(mine)}")
+        for item in mine[:limit]:
+            lines.append(f"  left out {item.key} ({item.what}): {item.reason}; {item.fix}")
+        if len(mine) > limit:
+            lines.append(f"  ... and {len(mine) - limit} more left out")
     unmatched = sum(len(s.parsed.unmatched) for s in active)
     lines.append(f"unmatched keys in active LoRAs: {unmatched}")
+    lines.append(f"entries left out by {mode} mode: {len(left_out)}")
     return "\n".join(lines)

@@ -12,6 +12,8 @@ Modes (see ``lora/``):
   undone when it unloads it; the base weights are never modified in place.
 * ``dynamic`` - weights untouched; each LoRA'd layer adds ``((x @ A.T) * s) @ B.T`` with all of its
   LoRAs' ranks in one pair. Changing strengths only rewrites the per-rank scale ``s`` in place.
+  LoHa/LoKr/diff entries run through ComfyUI's bypass forward. DoRA layers (which the bypass would
+  run as a plain LoRA) are merged as ``stochastic`` merges them, and re-merged on a strength change.
 * ``standard`` - ComfyUI's own weight patches (``ModelPatcher.add_patches``): dequantize, add,
   requantize with ComfyUI's seeded rounding. For comparison and for anything else.
 
@@ -38,7 +40,7 @@ from comfy_api.latest import io
 from ..lora.attach import DynamicLoras, StochasticMerge
 from ..lora.delta import DenseDelta
 from ..lora.keys import ParsedLora, parse_lora
-from ..lora.stack import StackSlot, active_slots, adapter_plan, low_rank_plan, stack_report
+from ..lora.stack import LeftOut, StackSlot, active_slots, adapter_plan, low_rank_plan, stack_report
 from ..quant.errors import LowBitError
 from . import CATEGORY
 
@@ -202,19 +204,30 @@ class LoraInjection:
 
 
 class _DynamicApplier:
-    def __init__(self, loras: DynamicLoras, strengths: dict[str, float], bypass: list):
-        self.loras, self.strengths, self.bypass = loras, strengths, bypass
+    """Banks and bypass hooks added at run time; ``merge`` (DoRA layers, or None) merged into the weights."""
+
+    def __init__(self, loras: DynamicLoras, strengths: dict[str, float], bypass: list,
+                 merge: StochasticMerge | None = None):
+        self.loras, self.strengths, self.bypass, self.merge = loras, strengths, bypass, merge
 
     def attach(self, patcher) -> None:
-        self.loras.set_strengths(self.strengths)
-        self.loras.attach(patcher.load_device)
-        for injection in self.bypass:
-            injection.inject(patcher)
+        if self.merge is not None:
+            self.merge.attach(patcher.load_device, patcher.offload_device)
+        try:
+            self.loras.set_strengths(self.strengths)
+            self.loras.attach(patcher.load_device)
+            for injection in self.bypass:
+                injection.inject(patcher)
+        except Exception:
+            self.detach(patcher)
+            raise
 
     def detach(self, patcher) -> None:
         for injection in reversed(self.bypass):
             injection.eject(patcher)
         self.loras.detach()
+        if self.merge is not None:
+            self.merge.detach()
 
 
 class _StochasticApplier:
@@ -229,7 +242,8 @@ class _StochasticApplier:
 
 
 def apply_lora_stack(model_patcher, entries: Sequence[LoraEntry | None], mode: str, seed: int = 0):
-    """A clone of ``model_patcher`` with the stack applied in ``mode``; also returns a text report."""
+    """A clone of ``model_patcher`` with the stack applied in ``mode``; also returns a text report
+    (what matched, what did not, what the mode leaves out and, in dynamic, which layers it merged)."""
     if mode not in MODES:
         raise LoraInputError(f"LoRA mode {mode!r} is not one of {', '.join(MODES)}")
     entries = [e for e in entries if e is not None]
@@ -243,34 +257,98 @@ def apply_lora_stack(model_patcher, entries: Sequence[LoraEntry | None], mode: s
         file_key, state_dict = LORA_FILES.load(entry.path)
         files[name] = (file_key, state_dict)
         slots.append(StackSlot(name, parsed_lora(info, file_key, state_dict), float(entry.strength)))
-    report = stack_report(slots, mode)
-    unmatched = sum(len(s.parsed.unmatched) for s in active_slots(slots))
-    log.log(logging.WARNING if unmatched else logging.INFO, "LowBit: %s", report.replace("\n", "\n  "))
 
     patcher = model_patcher.clone()
     active = active_slots(slots)
-    if not active:
-        return patcher, report
-    if mode == "standard":
+    left_out: list[LeftOut] = []
+    merged: dict[str, list[str]] = {}
+    if active and mode == "standard":
         import comfy.lora
 
         for slot in active:
             patches = comfy.lora.load_lora(files[slot.name][1], info.key_map, log_missing=False)
             patcher.add_patches(patches, slot.strength)
-        return patcher, report
+    elif active:
+        previous = patcher.get_injections(INJECTION_KEY) or []
+        chain = previous[0].appliers if previous else ()
+        if mode == "dynamic":
+            applier, left_out, merged = _dynamic_applier(patcher, info, active, files, len(chain), seed)
+        else:
+            applier, left_out = _stochastic_applier(patcher, info, active, files, seed)
+        patcher.set_injections(INJECTION_KEY, [LoraInjection(chain + (applier,))])
+        patcher.is_injected = False  # the clone's modules are not hooked yet, whatever its parent's state
 
-    previous = patcher.get_injections(INJECTION_KEY) or []
-    chain = previous[0].appliers if previous else ()
-    if mode == "dynamic":
-        applier = _dynamic_applier(patcher, info, active, files, position=len(chain))
-    else:
-        applier = _stochastic_applier(patcher, info, active, files, seed)
-    patcher.set_injections(INJECTION_KEY, [LoraInjection(chain + (applier,))])
-    patcher.is_injected = False  # the clone's modules are not hooked yet, whatever its parent's state
+    report = stack_report(slots, mode, left_out=left_out, merged=merged)
+    unmatched = sum(len(s.parsed.unmatched) for s in active)
+    log.log(logging.WARNING if unmatched or left_out else logging.INFO, "LowBit: %s", report.replace("\n", "\n  "))
     return patcher, report
 
 
-def _dynamic_applier(patcher, info: _ModelKeys, active, files, position: int) -> _DynamicApplier:
+def _adapter_patches(plan, files) -> dict[str, list[tuple]]:
+    """Model key -> ``(slot, ComfyUI patch, slice or None)`` per entry of ``plan`` (``adapter_plan``'s
+    ``(slot, {lora prefix: target})``), in slot order, as ``comfy.lora.load_lora`` builds them."""
+    import comfy.lora
+
+    patches: dict[str, list[tuple]] = {}
+    for slot, prefixes in plan:
+        for target, patch in comfy.lora.load_lora(files[slot.name][1], prefixes, log_missing=False).items():
+            key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
+            patches.setdefault(key, []).append((slot, patch, offset))
+    return patches
+
+
+def _patch_kind(key: str, patch) -> str:
+    """What a ComfyUI patch is, for reports: ``LoRA``/``LoHa``/``LoKr``..., ``weight diff``, ``set_weight``."""
+    if isinstance(patch, tuple):
+        if key.endswith(".bias"):
+            return "bias diff (.diff_b)"
+        return {"diff": "weight diff (.diff)", "set": "set_weight"}.get(patch[0], str(patch[0]))
+    return type(patch).__name__.replace("Adapter", "")
+
+
+def _merge(patcher, info: _ModelKeys, low_rank, patches: dict[str, list[tuple]], seed: int,
+           mode: str) -> tuple[StochasticMerge, list[LeftOut]]:
+    """A :class:`StochasticMerge` of ``low_rank`` deltas and of ComfyUI adapter ``patches``, each run by
+    ``comfy.lora.calculate_weight`` on the dequantized weight (LoHa/LoKr/DoRA/diff: dequantize ->
+    adapter -> requantize); the original weights stay in memory. Patches on anything but a linear
+    layer's weight (bias diffs, conv layers) cannot be merged: they are returned as left out."""
+    try:
+        from .comfy_ops import module_codec
+    except ImportError:  # the ops adapter names no codec: derive it from each weight's layout
+        module_codec = None
+
+    shaped = {k for k in patches if len(info.shapes.get(k, ())) == 2}
+    left_out = []
+    for key in sorted(set(patches) - shaped):
+        shape = info.shapes.get(key)
+        reason = (f"{mode} mode merges into linear weights only, not biases" if shape is None and key.endswith(".bias")
+                  else f"{mode} mode merges into linear [out, in] weights only; this weight has shape {shape}")
+        left_out.extend(LeftOut(slot.name, key, _patch_kind(key, patch), reason) for slot, patch, _ in patches[key])
+
+    def dense_deltas(key: str, weight: torch.Tensor) -> list[DenseDelta]:
+        import comfy.lora
+
+        out = []
+        for slot, patch, offset in patches.get(key, ()):
+            patched = comfy.lora.calculate_weight([(slot.strength, patch, 1.0, offset, None)], weight.clone(), key)
+            out.append(DenseDelta(patched - weight, source=slot.name))
+        return out
+
+    def codec_of(module):
+        try:
+            return module_codec(module) if module_codec is not None else None
+        except LowBitError:  # a format name this LowBit does not know: derive it from the layout instead
+            return None
+
+    merge = StochasticMerge(patcher.model, low_rank, seed=seed, codec_of=codec_of,
+                            dense_deltas=dense_deltas if shaped else None, dense_layers=sorted(shaped))
+    return merge, left_out
+
+
+def _dynamic_applier(patcher, info: _ModelKeys, active, files, position: int, seed: int):
+    """``(applier, left out, merged)``: low-rank pairs in cached banks, other adapters through ComfyUI's
+    bypass, and DoRA layers - which the bypass would run as a plain LoRA - merged like Stochastic merges
+    them (``merged``: slot name -> weight keys), re-merged whenever the stack is applied again."""
     key = (position, tuple((s.name, files[s.name][0]) for s in active))
     loras = info.dynamic.get(key)
     if loras is None:
@@ -280,35 +358,67 @@ def _dynamic_applier(patcher, info: _ModelKeys, active, files, position: int) ->
             info.dynamic.popitem(last=False)
     else:
         info.dynamic.move_to_end(key)
-    bypass = []
-    adapters = adapter_plan(active)
-    if adapters:
-        import comfy.lora
-        from comfy.weight_adapter.bypass import BypassInjectionManager
+    dora_plan, bypass_plan = [], []
+    for slot, prefixes in adapter_plan(active):
+        state_dict = files[slot.name][1]
+        dora = {p: t for p, t in prefixes.items() if f"{p}.dora_scale" in state_dict}
+        if dora:
+            dora_plan.append((slot, dora))
+        if len(dora) < len(prefixes):
+            bypass_plan.append((slot, {p: t for p, t in prefixes.items() if p not in dora}))
+    merge, left_out, merged = None, [], {}
+    if dora_plan:
+        patches = _adapter_patches(dora_plan, files)
+        merge, left_out = _merge(patcher, info, {}, patches, seed, "dynamic")
+        for layer in sorted(merge.layers):
+            for slot, _, _ in patches[layer]:
+                merged.setdefault(slot.name, []).append(layer)
+        for name, layers in merged.items():
+            log.info("LowBit: %s: dynamic mode merges %d DoRA layers into the weights instead of running them at "
+                     "run time (ComfyUI's bypass ignores dora_scale): %s; a strength change of this LoRA re-merges "
+                     "them", name, len(layers), ", ".join(layers))
+    bypass, not_run = _bypass_injections(patcher, bypass_plan, files, info.shapes)
+    strengths = {s.name: s.strength for s in active if s.name in loras.names}
+    return _DynamicApplier(loras, strengths, bypass, merge), left_out + not_run, merged
 
-        managers: list = []  # ComfyUI's manager keeps one adapter per module: stacked ones need one each
-        for slot, prefixes in adapters:
-            dora = sum(f"{p}.dora_scale" in files[slot.name][1] for p in prefixes)
-            if dora:
-                log.warning("LowBit: %s: dynamic mode runs %d DoRA layers without their magnitude normalization "
-                            "(ComfyUI's bypass ignores dora_scale); use stochastic or standard for this LoRA",
-                            slot.name, dora)
-            for target, adapter in comfy.lora.load_lora(files[slot.name][1], prefixes, log_missing=False).items():
-                diff = isinstance(adapter, tuple) and adapter[0] == "diff" and adapter[1][0].dim() <= 2
-                if isinstance(target, str) and diff:
-                    adapter = _DiffBypass(adapter[1][0])  # a full weight or bias diff: its share of the output
-                elif not isinstance(target, str) or isinstance(adapter, tuple):
-                    log.warning("LowBit: %s: %s on %s cannot run in dynamic mode; use stochastic or standard for "
-                                "this LoRA", slot.name, adapter[0] if isinstance(adapter, tuple) else
-                                type(adapter).__name__, target if isinstance(target, str) else target[0])
+
+def _linear_diff(key: str, patch: tuple, shapes) -> bool:
+    """A ``diff`` of a linear layer's ``[out, in]`` weight or of its bias (what :class:`_DiffBypass` runs)."""
+    if patch[0] != "diff":
+        return False
+    module, _, name = key.rpartition(".")
+    dims = {"weight": 2, "bias": 1}.get(name)
+    return patch[1][0].dim() == dims and len(shapes.get(f"{module}.weight", ())) == 2
+
+
+def _bypass_injections(patcher, plan, files, shapes) -> tuple[list, list[LeftOut]]:
+    """ComfyUI bypass injections running ``plan``'s adapters at run time, and the entries they cannot run."""
+    if not plan:
+        return [], []
+    from comfy.weight_adapter.bypass import BypassInjectionManager
+
+    managers: list = []  # ComfyUI's manager keeps one adapter per module: stacked ones need one each
+    left_out = []
+    for key, entries in _adapter_patches(plan, files).items():
+        for slot, adapter, offset in entries:
+            kind = _patch_kind(key, adapter)
+            if offset is not None:
+                left_out.append(LeftOut(slot.name, key, kind, f"on a slice {tuple(offset)} of a fused weight; "
+                                        "ComfyUI's bypass runs adapters on whole layers only"))
+                continue
+            if isinstance(adapter, tuple):
+                if not _linear_diff(key, adapter, shapes):
+                    reason = ("it replaces the weight; dynamic mode only adds terms at run time" if adapter[0] == "set"
+                              else "dynamic mode runs full diffs of linear weights and biases only")
+                    left_out.append(LeftOut(slot.name, key, kind, reason))
                     continue
-                module = target.rsplit(".", 1)[0] if target.endswith((".weight", ".bias")) else target
-                manager = next((m for m in managers if module not in m.adapters), None)
-                if manager is None:
-                    managers.append(manager := BypassInjectionManager())
-                manager.add_adapter(module, adapter, strength=slot.strength)
-        bypass = [injection for m in managers for injection in m.create_injections(patcher.model)]
-    return _DynamicApplier(loras, {s.name: s.strength for s in active if s.name in loras.names}, bypass)
+                adapter = _DiffBypass(adapter[1][0])  # a full weight or bias diff: its share of the output
+            module = key.rsplit(".", 1)[0] if key.endswith((".weight", ".bias")) else key
+            manager = next((m for m in managers if module not in m.adapters), None)
+            if manager is None:
+                managers.append(manager := BypassInjectionManager())
+            manager.add_adapter(module, adapter, strength=slot.strength)
+    return [injection for m in managers for injection in m.create_injections(patcher.model)], left_out
 
 
 class _DiffBypass:
@@ -327,43 +437,11 @@ class _DiffBypass:
         return y
 
 
-def _stochastic_applier(patcher, info: _ModelKeys, active, files, seed: int) -> _StochasticApplier:
-    try:
-        from .comfy_ops import module_codec
-    except ImportError:  # the ops adapter names no codec: derive it from each weight's layout
-        module_codec = None
-
-    dense: dict[str, list] = {}
-    adapters = adapter_plan(active)
-    if adapters:
-        import comfy.lora
-
-        for slot, prefixes in adapters:
-            for target, patch in comfy.lora.load_lora(files[slot.name][1], prefixes, log_missing=False).items():
-                key, offset = (target, None) if isinstance(target, str) else (target[0], target[1])
-                dense.setdefault(key, []).append((slot, patch, offset))
-
-    def dense_deltas(key: str, weight: torch.Tensor) -> list[DenseDelta]:
-        import comfy.lora
-
-        out = []
-        for slot, patch, offset in dense.get(key, ()):
-            patched = comfy.lora.calculate_weight([(slot.strength, patch, 1.0, offset, None)], weight.clone(), key)
-            out.append(DenseDelta(patched - weight, source=slot.name))
-        return out
-
-    def codec_of(module):
-        try:
-            return module_codec(module) if module_codec is not None else None
-        except LowBitError:  # a format name this LowBit does not know: derive it from the layout instead
-            return None
-
-    shaped = {k for k in dense if len(info.shapes.get(k, ())) == 2}
-    for key in set(dense) - shaped:
-        log.warning("LowBit: %s is not a linear weight; stochastic mode leaves it out (use standard)", key)
-    merge = StochasticMerge(patcher.model, low_rank_plan(active), seed=seed, codec_of=codec_of,
-                            dense_deltas=dense_deltas if shaped else None, dense_layers=sorted(shaped))
-    return _StochasticApplier(merge)
+def _stochastic_applier(patcher, info: _ModelKeys, active, files, seed: int):
+    """``(applier, left out)``: every low-rank pair and adapter of the stack merged per layer."""
+    patches = _adapter_patches(adapter_plan(active), files)
+    merge, left_out = _merge(patcher, info, low_rank_plan(active), patches, seed, "stochastic")
+    return _StochasticApplier(merge), left_out
 
 
 # ---- nodes ------------------------------------------------------------------------------------

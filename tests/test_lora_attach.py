@@ -9,7 +9,7 @@ from lora_helpers import IN_FEATURES, base_weight, dense, random_lora, rms, sqnr
 from lowbit.lora.attach import DynamicLoras, StochasticMerge
 from lowbit.lora.delta import DenseDelta
 from lowbit.lora.keys import ParsedLora
-from lowbit.lora.stack import StackSlot, active_slots, low_rank_plan, stack_report
+from lowbit.lora.stack import LeftOut, StackSlot, active_slots, low_rank_plan, stack_report
 from lowbit.lora.stochastic import merge_stochastic
 from lowbit.quant.formats import get_format
 
@@ -61,6 +61,18 @@ def test_plan_keeps_slot_order_and_drops_strength_zero():
     assert "off (strength 0)" in stack_report(slots, "dynamic")
     with pytest.raises(ValueError, match="unique"):
         active_slots([slots[0], slots[0]])
+
+
+def test_report_names_left_out_and_merged_entries_under_their_lora():
+    slots = _stack()
+    left_out = [LeftOut("2:b", f"blocks.{i}.bias", "bias diff (.diff_b)", "merges weights only") for i in range(10)]
+    report = stack_report(slots, "stochastic", left_out=left_out, merged={"1:a": ["blocks.0.weight"]}, limit=3)
+    first, second = report.split("\n- 2:b", 1)
+    assert "left out" not in first and "merged into the weights instead of run dynamically (DoRA): 1 layers" in first
+    assert "left out by stochastic mode: 10" in second and "... and 7 more left out" in second
+    assert "left out blocks.0.bias (bias diff (.diff_b)): merges weights only; use mode standard" in second
+    assert report.endswith("entries left out by stochastic mode: 10")
+    assert "left out" not in stack_report(slots, "dynamic").replace("entries left out by dynamic mode: 0", "")
 
 
 def test_dynamic_attach_adds_the_exact_term_and_detach_restores_the_model():

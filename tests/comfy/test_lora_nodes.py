@@ -56,6 +56,15 @@ def _lora_file(style: str, layers, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16).contiguous() for k, v in out.items()}
 
 
+def _dora_file(layer: str = "double_blocks.0.img_mlp.0") -> dict[str, torch.Tensor]:
+    weight = tiny_flux_bf16()[f"{layer}.weight"].float()
+    (n, k), gen, prefix = weight.shape, torch.Generator().manual_seed(7), f"lora_unet_{layer.replace('.', '_')}"
+    out = {f"{prefix}.lora_down.weight": torch.randn(8, k, generator=gen) / k**0.5,
+           f"{prefix}.lora_up.weight": torch.randn(n, 8, generator=gen) * 0.5 * float(weight.std()),
+           f"{prefix}.dora_scale": weight.norm(dim=1, keepdim=True) * 1.3}
+    return {k: v.to(torch.bfloat16).contiguous() for k, v in out.items()}
+
+
 # ---- test-only nodes ------------------------------------------------------------------------
 
 CAPTURED: dict[str, torch.Tensor] = {}
@@ -118,6 +127,7 @@ def comfy_env(tmp_path_factory):
     bogus["lora_unet_double_blocks_9_img_attn_qkv.lora_up.weight"] = torch.zeros(768, 8, dtype=torch.bfloat16)
     bogus["lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"] = torch.zeros(8, 16, dtype=torch.bfloat16)
     save_file(bogus, str(root / "lora_unmatched.safetensors"))
+    save_file(_dora_file(), str(root / "lora_dora.safetensors"))
     saved_paths = {k: folder_paths.folder_names_and_paths[k] for k in ("diffusion_models", "loras")}
     folder_paths.add_model_folder_path("diffusion_models", str(root), is_default=True)
     folder_paths.add_model_folder_path("loras", str(root), is_default=True)
@@ -197,6 +207,44 @@ def test_stack_of_three_runs_and_a_strength_change_reads_no_file(comfy_env, file
     assert file_reads == [], f"re-run read {file_reads} (first run read {first_reads})"
     a, b = CAPTURED[f"{mode}-a"], CAPTURED[f"{mode}-b"]
     assert torch.isfinite(b).all() and not torch.equal(a, b)
+
+
+def test_dynamic_dora_strength_change_reads_no_file_and_re_merges(comfy_env, file_reads):
+    """Dynamic merges a DoRA's layers (the original weight kept in memory); a strength change re-merges
+    them without reading the base model or the LoRA again, and changes the result."""
+    loras = ["lora_0.safetensors", "lora_dora.safetensors"]
+    run(comfy_env, workflow("dynamic", [1.0, 1.0], label="dora-a", loras=loras))
+    file_reads.clear()
+    run(comfy_env, workflow("dynamic", [1.0, 0.3], label="dora-b", loras=loras))
+    assert file_reads == [], f"re-run read {file_reads}"
+    a, b = CAPTURED["dora-a"], CAPTURED["dora-b"]
+    assert torch.isfinite(b).all() and not torch.equal(a, b)
+
+
+def test_dynamic_swapping_one_lora_file_for_another_reads_no_base_model(comfy_env, file_reads):
+    """Changing the SET of LoRAs in dynamic mode builds new banks from the LoRA files only: the base model
+    file is not read again (the new LoRA file may be read once), and the result changes."""
+    run(comfy_env, workflow("dynamic", [1.0, 0.5], label="set-a", loras=["lora_0.safetensors", "lora_1.safetensors"]))
+    file_reads.clear()
+    run(comfy_env, workflow("dynamic", [1.0, 0.5], label="set-b", loras=["lora_0.safetensors", "lora_2.safetensors"]))
+    assert BASE not in file_reads and set(file_reads) <= {"lora_2.safetensors"}, file_reads
+    a, b = CAPTURED["set-a"], CAPTURED["set-b"]
+    assert torch.isfinite(b).all() and not torch.equal(a, b)
+
+
+def test_slot_index_orders_autogrow_slots_numerically():
+    """``lora10`` comes after ``lora2`` (string order would put it first), with or without the group prefix."""
+    names = ["lora10", "lora2", "loras.lora1", "loras.lora11", "lora0"]
+    assert sorted(names, key=lora_nodes._slot_index) == ["lora0", "loras.lora1", "lora2", "lora10", "loras.lora11"]
+    assert lora_nodes._slot_index("loras.lora10") == 10 and lora_nodes._slot_index("lora") == 0
+
+
+def test_apply_lora_stack_node_applies_slots_in_slot_order(comfy_env, float_model):
+    """The node hands its autogrow dict to the stack in slot order: slot 2 before slot 10."""
+    entry = lambda name: LoraEntry(name, str(comfy_env["root"] / name), 0.0)  # noqa: E731 - strength 0: no read
+    loras = {"lora10": entry("tenth.safetensors"), "lora2": entry("second.safetensors")}
+    report = lora_nodes.LowBitApplyLoraStack.execute(float_model, "dynamic", loras).result[1]
+    assert "- 1:second.safetensors [off" in report and "- 2:tenth.safetensors [off" in report, report
 
 
 def test_modes_agree_on_what_the_stack_does(comfy_env):
