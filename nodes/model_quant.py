@@ -58,9 +58,11 @@ INFO_ATTR = "lowbit_info"
 #: (Dynamic VRAM's vbar allocation and pinned host buffers above all: sharing them corrupts both models)
 _RUNTIME_ATTRS = ("_v", "_v_signature", "_v_weight", "_v_bias", "_prefetch", "_pin_state", "_pins", "seed_key",
                   "weight_lowvram_function", "bias_lowvram_function", "comfy_patched_weights")
-#: model-level load bookkeeping reset on a copy (ModelPatcher.__init__ recreates the dynamic ones)
+#: model-level load bookkeeping reset on a copy (ModelPatcher.__init__ recreates the dynamic ones);
+#: ``current_patcher`` is the patcher a sampler runs the model with (ModelPatcher.pre_run sets it, cleanup
+#: clears it; BaseModel.apply_model turns Dynamic VRAM prefetching on from it): a copy has none yet
 _MODEL_STATE = {"model_loaded_weight_memory": 0, "lowvram_patch_counter": 0, "model_lowvram": False,
-                "current_weight_patches_uuid": None, "model_offload_buffer_memory": 0}
+                "current_weight_patches_uuid": None, "model_offload_buffer_memory": 0, "current_patcher": None}
 _MODEL_DYNAMIC_ATTRS = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers")
 
 
@@ -372,6 +374,9 @@ def _finish_copy(patched, source_patcher) -> None:
     patched.patches = {}
     patched.patches_uuid = uuid.uuid4()
     patched.parent = None  # ComfyUI's model manager would otherwise fall back to the float model's patcher
+    # other weights: not one of the float model's clones to unload_model_and_clones (which ensure_unpatched
+    # calls on the float model) or to the multi-GPU clone matching (clone_has_same_weights)
+    patched.clone_base_uuid = uuid.uuid4()
     patched.size = 0
     patched.hook_backup = {}
     patched.cached_hook_patches = {}

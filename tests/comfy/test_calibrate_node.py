@@ -145,17 +145,21 @@ def test_fp8_layers_get_their_static_input_scale(float_model, float_output, fp8_
     native = native_state_dict(quantized)
     assert {k[: -len(".input_scale")] for k in native if k.endswith(".input_scale")} == set(scales)
     assert sqnr_db(float_output, run_flux(quantized)) > MIN_SQNR_DB["fp8"]
-    # where FP8 runs quantized (an FP8 GPU; forced here), LowBit's forward quantizes activations with it
+    # where FP8 runs quantized (an FP8 GPU; forced here), LowBit's forward quantizes activations with it.
+    # The probe runs on the model's load device: a layer ComfyUI's Dynamic VRAM has staged (``_v``)
+    # and is called with a CPU input gets a dequantized weight from cast_bias_weight (a float linear)
     name = next(iter(scales))
     module = dm.get_submodule(name)
     module.lowbit_config = LowBitOpsConfig(compute_dtype=torch.bfloat16)  # no format dequantized
-    x = torch.randn(4, module.in_features, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    dev = quantized.load_device
+    x = torch.randn(4, module.in_features, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5)).to(dev)
     x = x / x.abs().max() * 4 * scales[name] * 448  # beyond the calibrated range: the static scale saturates
+    weight, bias, input_scale = (t.detach().to(dev) for t in (module.weight, module.bias, module.input_scale))
     with torch.no_grad():
         got = module(x)
         codec = get_format("fp8")
-        static = codec.linear(x, module.weight, module.bias, module.input_scale)
-        dynamic = codec.linear(x, module.weight, module.bias)
+        static = codec.linear(x, weight, bias, input_scale)
+        dynamic = codec.linear(x, weight, bias)
     torch.testing.assert_close(got, static)
     assert not torch.allclose(got, dynamic)
 
@@ -169,6 +173,20 @@ def test_saved_file_loads_in_stock_comfyui_with_its_input_scales(float_model, fp
     for name, scale in scales.items():
         module = dm.get_submodule(name)
         assert isinstance(module.weight, QuantizedTensor) and float(module.input_scale) == pytest.approx(scale)
+
+
+def test_the_quantized_copy_is_a_model_of_its_own_to_comfyuis_model_manager(float_model, int4_policy):
+    """A copy made while a sampler runs the float model (ModelPatcher.pre_run set model.current_patcher)
+    does not keep that patcher (samplers and Dynamic VRAM's prefetch switch read it), and is not one of
+    the float model's clones (unloading the float model, as quantizing it again does, keeps it loaded)."""
+    policy, _ = parse_policy(int4_policy[0])
+    float_model.model.current_patcher = float_model
+    try:
+        quantized = apply_policy(float_model, policy)
+    finally:
+        float_model.model.current_patcher = None
+    assert quantized.model.current_patcher is None
+    assert quantized.clone_base_uuid != float_model.clone_base_uuid
 
 
 def test_apply_refuses_a_policy_of_another_model(float_model):
