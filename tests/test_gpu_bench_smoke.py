@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(_comfyui() is None, reason="ComfyUI not found: s
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """``{name: (process result, report dict or None)}`` of the three scripts, run concurrently."""
+    """``{name: (exit code, output, report dict or None, report path)}`` of the three scripts, run concurrently."""
     out = tmp_path_factory.mktemp("gpu_bench_smoke")
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = {}
@@ -56,12 +56,12 @@ def runs(tmp_path_factory):
             proc.kill()
             output, _ = proc.communicate()
         path = out / f"{name}.json"
-        results[name] = (proc.returncode, output, json.loads(path.read_text()) if path.is_file() else None)
+        results[name] = (proc.returncode, output, json.loads(path.read_text()) if path.is_file() else None, path)
     return results
 
 
 def _report(runs, name) -> dict:
-    code, output, report = runs[name]
+    code, output, report, _ = runs[name]
     assert code == 0, f"{name} failed (exit {code}):\n{output[-4000:]}"
     assert report is not None, f"{name} wrote no JSON report"
     assert "JSON report: " in output and f"{name}.json" in output, "the script must print its report's path"
@@ -129,5 +129,6 @@ def test_calibration_against_int4_mixed(runs):
     summary = report["summary"]
     assert summary["calibrated_fits_int4_mixed_bytes"] is True
     assert summary["error_ratio_calibrated_over_int4_mixed"] == pytest.approx(calibrated["rel_err"] / int4["rel_err"])
-    policy, calibration = load_policy_file(report["calibration"]["policy_file"])
+    # recorded by name only, next to the report (no machine path in a measurement record)
+    policy, calibration = load_policy_file(runs["calibrate"][3].parent / report["calibration"]["policy_file"])
     assert calibration is not None and len(policy.layer_format_map) == report["calibration"]["layers"]
