@@ -278,7 +278,7 @@ def _dynamic_banks():
     return found[0].banks
 
 
-@pytest.mark.parametrize("mode", ["dynamic", "stochastic"])
+@pytest.mark.parametrize("mode", ["dynamic", "stochastic", "standard"])
 def test_twenty_swaps_keep_resident_memory_flat(comfy_env, mode):
     """Show 3: 20 strength swaps grow the process's resident memory by less than 5 %."""
     psutil = pytest.importorskip("psutil")
