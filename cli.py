@@ -16,6 +16,7 @@ unexpected error; 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -234,10 +235,25 @@ def cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
-    import torch
+
+@contextlib.contextmanager
+def progress_bar(args: argparse.Namespace, desc: str, unit: str):
+    """A tqdm bar (silent with ``--quiet``) that logging writes around, as a ``progress(done, total)`` callback."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
+
+    quiet = getattr(args, "quiet", False)
+    with logging_redirect_tqdm(), tqdm(desc=desc, unit=unit, disable=True if quiet else None,
+                                       dynamic_ncols=True, leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        yield progress
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    import torch
 
     from .quant.checkpoint import open_checkpoint
     from .quant.convert import convert_file
@@ -287,13 +303,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             print(policy.plan(reader.shapes()).table(), flush=True)
     log.info("quantizing %s -> %s (%s, preset %s, on %s)", src, out,
              f"policy {args.policy}" if args.policy else f"mode {mode}", policy.preset, device)
-    quiet = getattr(args, "quiet", False)
-    with logging_redirect_tqdm(), tqdm(desc="quantizing", unit="tensor", disable=True if quiet else None,
-                                       dynamic_ncols=True, leave=False) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
+    with progress_bar(args, "quantizing", "tensor") as progress:
         if calibration is not None:
             # formats from the policy, plus the calibrated static FP8 input scales and the SmoothQuant
             # pre_quant_scales (smoothed weight + scale), for the formats the calibrating ComfyUI applied them to
@@ -348,8 +358,6 @@ def import_comfyui(path: Path, device: str) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from .quant.calibrate import CalibrationConfig
     from .quant.safetensors_file import check_output_path
@@ -371,13 +379,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     log.info("loading %s with ComfyUI (%s)", src, device)
     model = comfy.sd.load_diffusion_model(str(src))
-    quiet = getattr(args, "quiet", False)
-    with logging_redirect_tqdm(), tqdm(desc="measuring", unit="layer", disable=True if quiet else None,
-                                       dynamic_ncols=True, leave=False) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
+    with progress_bar(args, "measuring", "layer") as progress:
         result = calibrate_model(model, config, preset=args.preset, steps=args.steps, resolution=args.resolution,
                                  objective=args.objective, progress=progress)
     result.save(out, overwrite=args.overwrite)

@@ -69,7 +69,7 @@ from .calibration_pre_quant import (carries_pre_quant_scale, check_pre_quant_sca
 from .calibration_samples import DEFAULT_MAX_ROWS, ActivationSample
 from .errors import LowBitError, PolicyError
 from .formats import FORMATS
-from .policy import Policy
+from .policy import Policy, check_known_keys
 from .safetensors_file import check_output_path
 
 log = logging.getLogger(__name__)
@@ -130,10 +130,7 @@ class CalibrationConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "CalibrationConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise PolicyError(f"unknown calibration config keys {sorted(unknown)}; known keys: {sorted(known)}")
+        check_known_keys(cls, data, "calibration config")
         values = dict(data)
         if "budget" in values:
             values["budget"] = Budget.parse(str(values["budget"]))

@@ -158,10 +158,7 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Policy":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise PolicyError(f"unknown policy keys {sorted(unknown)}; known keys: {sorted(known)}")
+        check_known_keys(cls, data, "policy")
         return cls(**{k: (tuple(v) if k == "extra_keep_float" else v) for k, v in data.items()})
 
     def resolve_preset(self, layer_names: Iterable[str]) -> Preset:
@@ -317,3 +314,11 @@ def _int8_budget(names: list[str], decisions: Mapping[str, LayerDecision], prese
         chosen[name] = reason
         used += size
     return chosen
+
+
+def check_known_keys(cls: type, data: Mapping, what: str) -> None:
+    """Raise :class:`PolicyError` naming any key of ``data`` that is not a field of dataclass ``cls``."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise PolicyError(f"unknown {what} keys {sorted(unknown)}; known keys: {sorted(known)}")

@@ -37,6 +37,19 @@ def comfyui_path() -> Path | None:
     return candidate if (candidate / "main.py").is_file() else None
 
 
+def import_node_module(name: str):
+    """``lowbit.nodes.<name>``, imported in-process on the CPU (its module needs ComfyUI's ``comfy_api``)."""
+    import importlib
+
+    comfy = comfyui_path()
+    if str(comfy) not in sys.path:
+        sys.path.insert(0, str(comfy))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    return importlib.import_module(f"lowbit.nodes.{name}")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -7,12 +7,11 @@ ComfyUI is absent.
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 
-from comfy_server import comfyui_path
+from comfy_server import comfyui_path, import_node_module
 
 COMFY = comfyui_path()
 pytestmark = pytest.mark.skipif(COMFY is None, reason="ComfyUI not found: set COMFYUI_PATH or clone it to ~/ComfyUI")
@@ -20,14 +19,7 @@ pytestmark = pytest.mark.skipif(COMFY is None, reason="ComfyUI not found: set CO
 
 @pytest.fixture(scope="module")
 def report():
-    if str(COMFY) not in sys.path:
-        sys.path.insert(0, str(COMFY))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
-    from lowbit.nodes import report as module
-
-    return module
+    return import_node_module("report")
 
 
 @pytest.fixture(scope="module")

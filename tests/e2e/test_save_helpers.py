@@ -6,7 +6,6 @@ Imports the node module (which needs ComfyUI's ``comfy_api``), so it skips when 
 from __future__ import annotations
 
 import json
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from comfy_server import comfyui_path
+from comfy_server import comfyui_path, import_node_module
 
 COMFY = comfyui_path()
 pytestmark = pytest.mark.skipif(COMFY is None, reason="ComfyUI not found: set COMFYUI_PATH or clone it to ~/ComfyUI")
@@ -22,14 +21,7 @@ pytestmark = pytest.mark.skipif(COMFY is None, reason="ComfyUI not found: set CO
 
 @pytest.fixture(scope="module")
 def save():
-    if str(COMFY) not in sys.path:
-        sys.path.insert(0, str(COMFY))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
-    from lowbit.nodes import save as module
-
-    return module
+    return import_node_module("save")
 
 
 @pytest.fixture
