@@ -1,0 +1,118 @@
+"""Where one Flux step spends its GPU time, per format: a CUDA-profiler breakdown (not a pytest file).
+
+For bf16 and each ``--modes`` entry, on the Flux model of ``bench_flux_step`` (random weights, the real
+ComfyUI Flux class): two warm-up steps (the kernel dispatcher measures and settles on the first), then
+one profiled step. The report groups the CUDA kernel time into GEMM, activation quantization,
+attention and the rest ("other": norms, modulation, RoPE, GELU, adds, copies), lists the top kernels,
+and records the dispatcher's decisions for the mode, so a step that is slower than its linears
+promise shows where the time went.
+
+Usage: ``python tests/gpu/profile_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out prof.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import bench_flux_step as bfs
+
+log = logging.getLogger("profile_flux_step")
+
+#: kernel-name patterns per category, tried in order (first match wins)
+CATEGORIES = (
+    ("act_quant", re.compile(r"act_quant", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
+    ("gemm", re.compile(r"gemm|_mm_|w8a8|w4a8|w4_|matmul|sm90_xmma|cutlass|int8_mm|scaled_mm|cublas", re.I)),
+)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def profile_step(dm, args, device) -> dict:
+    """Two warm-up steps, then one step under the CUDA profiler: totals per category and top kernels (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, t, ctx, y, g = args
+    with torch.inference_mode():
+        for _ in range(2):
+            dm(x, t, ctx, y=y, guidance=g)
+        bfs.sync(device)
+        activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            dm(x, t, ctx, y=y, guidance=g)
+            bfs.sync(device)
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if device.type == "cuda" and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if device.type != "cuda" and event.cpu_parent is not None:  # CPU smoke run: top-level ops only
+            continue
+        us = event.device_time if device.type == "cuda" else event.cpu_time
+        per_kernel[event.name][0] += us / 1000.0
+        per_kernel[event.name][1] += 1
+    totals: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in per_kernel.items():
+        totals[category(name)] += ms
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "total_ms": round(sum(totals.values()), 3),
+        "by_category_ms": {k: round(v, 3) for k, v in sorted(totals.items())},
+        "top_kernels": [{"name": name[:160], "ms": round(ms, 3), "calls": calls,
+                         "category": category(name)} for name, (ms, calls) in top],
+    }
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(bfs.SIZES), default="dev")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--modes", nargs="+", default=["int8_convrot", "fp8", "fp8_rowwise", "w4a8"])
+    p.add_argument("--out", default="profile_flux_step.json")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    device = torch.device(a.device)
+    bfs.import_comfy(device.type)
+    from lowbit.kernels.dispatch import current_dispatcher
+    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.quant.policy import Policy
+
+    report = {"size": a.size, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "runs": {}}
+    base = bfs.build_flux(a.size, device)
+    args = bfs.inputs(a.size, device)
+    report["runs"]["bf16"] = profile_step(base.model.diffusion_model, args, device)
+    log.info("bf16: %s", report["runs"]["bf16"]["by_category_ms"])
+    for mode in a.modes:
+        try:
+            q = quantize_model(base, Policy(mode=mode))
+            before = set(current_dispatcher().decisions)
+            row = profile_step(q.model.diffusion_model, args, device)
+            dispatcher = current_dispatcher()
+            row["decisions"] = {k: v for k, v in dispatcher.decisions.items() if k not in before}
+            row["timings_us"] = {k: dispatcher.timings_us.get(k) for k in row["decisions"]}
+            del q
+        except Exception as err:  # one mode failing must not lose the others
+            log.exception("mode %s failed", mode)
+            row = {"error": f"{type(err).__name__}: {err}"}
+        report["runs"][mode] = row
+        log.info("%s: %s", mode, row.get("by_category_ms", row.get("error")))
+        bfs.free(device)
+        Path(a.out).write_text(json.dumps(report, indent=2))
+    Path(a.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
