@@ -2,7 +2,8 @@
 
 For bf16 and each ``--modes`` entry, on the Flux model of ``bench_flux_step`` (random weights, the real
 ComfyUI Flux class): two warm-up steps (the kernel dispatcher measures and settles on the first), then
-one profiled step. The report groups the CUDA kernel time into GEMM, activation quantization,
+one profiled step. It also measures the CPU cost of one linear layer's call (see
+:func:`host_cost`): an eager step is as slow as the slower of its GPU work and its CPU launches. The report groups the CUDA kernel time into GEMM, activation quantization,
 attention and the rest ("other": norms, modulation, RoPE, GELU, adds, copies), lists the top kernels,
 and records the dispatcher's decisions for the mode, so a step that is slower than its linears
 promise shows where the time went.
@@ -16,6 +17,8 @@ import argparse
 import json
 import logging
 import re
+import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -49,6 +52,12 @@ def profile_step(dm, args, device) -> dict:
         for _ in range(2):
             dm(x, t, ctx, y=y, guidance=g)
         bfs.sync(device)
+        walls = []
+        for _ in range(3):  # wall time of a step (GPU work and CPU launches overlapped, as a sampler runs it)
+            t0 = time.perf_counter()
+            dm(x, t, ctx, y=y, guidance=g)
+            bfs.sync(device)
+            walls.append((time.perf_counter() - t0) * 1000.0)
         activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
         with profile(activities=activities) as prof:
             dm(x, t, ctx, y=y, guidance=g)
@@ -67,11 +76,53 @@ def profile_step(dm, args, device) -> dict:
         totals[category(name)] += ms
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
     return {
+        "step_wall_ms": round(statistics.median(walls), 3),
         "total_ms": round(sum(totals.values()), 3),
         "by_category_ms": {k: round(v, 3) for k, v in sorted(totals.items())},
         "top_kernels": [{"name": name[:160], "ms": round(ms, 3), "calls": calls,
                          "category": category(name)} for name, (ms, calls) in top],
     }
+
+
+def host_cost(layer, device, calls: int = 300) -> dict:
+    """CPU cost of one call of ``layer`` (µs) with an input of 16 tokens, so the GPU work is negligible
+    and the queue never throttles the CPU; for a LowBit layer also its format's ``codec.linear`` alone
+    (the module's own wrapper is the difference) and a cProfile of the module calls (top 15 by self time)."""
+    import cProfile
+    import io
+    import pstats
+
+    x = torch.randn(1, 16, layer.in_features, device=device, dtype=torch.bfloat16)
+
+    def per_call_us(fn) -> float:
+        with torch.inference_mode():
+            for _ in range(20):
+                fn()
+            bfs.sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            elapsed = time.perf_counter() - t0
+            bfs.sync(device)
+        return elapsed / calls * 1e6
+
+    out = {"module_us": round(per_call_us(lambda: layer(x)), 2)}
+    fmt = getattr(layer, "lowbit_format", None)
+    if fmt:
+        from lowbit.quant.formats import get_format
+
+        codec = get_format(fmt)
+        out["codec_linear_us"] = round(per_call_us(lambda: codec.linear(x, layer.weight, layer.bias)), 2)
+        prof = cProfile.Profile()
+        with torch.inference_mode():
+            prof.enable()
+            for _ in range(calls):
+                layer(x)
+            prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+        out["cprofile"] = text.getvalue().splitlines()[-22:]
+    return out
 
 
 def main(argv=None) -> dict:
@@ -93,12 +144,14 @@ def main(argv=None) -> dict:
     base = bfs.build_flux(a.size, device)
     args = bfs.inputs(a.size, device)
     report["runs"]["bf16"] = profile_step(base.model.diffusion_model, args, device)
+    report["runs"]["bf16"]["host"] = host_cost(base.model.diffusion_model.double_blocks[0].img_attn.qkv, device)
     log.info("bf16: %s", report["runs"]["bf16"]["by_category_ms"])
     for mode in a.modes:
         try:
             q = quantize_model(base, Policy(mode=mode))
             before = set(current_dispatcher().decisions)
             row = profile_step(q.model.diffusion_model, args, device)
+            row["host"] = host_cost(q.model.diffusion_model.double_blocks[0].img_attn.qkv, device)
             dispatcher = current_dispatcher()
             row["decisions"] = {k: v for k, v in dispatcher.decisions.items() if k not in before}
             row["timings_us"] = {k: dispatcher.timings_us.get(k) for k in row["decisions"]}
