@@ -11,6 +11,8 @@ Two mechanisms, both reversible and both free of ComfyUI (the node layer wraps t
     On attach, each LoRA'd layer's weight is replaced by a merged copy (one stochastic rounding in
     the layout's basis, see :mod:`.stochastic`; plain fp32 addition for float layers). The original
     weight is kept - moved to ``offload_device`` while detached from the module - and put back on detach.
+    Modules are looked up at attach time, so under ComfyUI's Dynamic VRAM, which caches streamed weights
+    per module object, the node layer gives each merged layer its own module first (:mod:`.twin`).
     A layer with a SmoothQuant ``pre_quant_scale`` ``s`` runs ``linear(x * s, W_stored)`` with
     ``W_stored = W diag(1 / s)``, so a delta of ``W`` is merged as ``delta diag(1 / s)`` (the
     dynamic hooks need nothing: they see the layer's input before it is scaled).

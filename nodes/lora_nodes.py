@@ -18,7 +18,10 @@ Modes (see ``lora/``):
   requantize with ComfyUI's seeded rounding. For comparison and for anything else.
 
 Attach/detach follow the ModelPatcher through one ``PatcherInjection`` (key :data:`INJECTION_KEY`)
-holding every LowBit stack of that patcher, undone last-in first-out. LoRA files are read once
+holding every LowBit stack of that patcher, undone last-in first-out. Under Dynamic VRAM
+(``ModelPatcherDynamic``), which streams each weight through caches kept per module object, every layer
+a merge changes is first given its own module object, an object patch of the stack's patcher
+(:func:`_twin_layers`), so the merged weight - not the base model's cached one - is what runs. LoRA files are read once
 and kept in a small cache (:class:`LoraFileCache`, by path, size and mtime), so re-running a
 workflow with a changed strength reads neither the LoRA nor the base model again.
 """
@@ -41,6 +44,7 @@ from ..lora.attach import DynamicLoras, StochasticMerge
 from ..lora.delta import DenseDelta
 from ..lora.keys import ParsedLora, parse_lora
 from ..lora.stack import LeftOut, StackSlot, active_slots, adapter_plan, low_rank_plan, stack_report
+from ..lora.twin import module_twin
 from ..quant.errors import LowBitError
 from . import CATEGORY
 
@@ -342,7 +346,30 @@ def _merge(patcher, info: _ModelKeys, low_rank, patches: dict[str, list[tuple]],
 
     merge = StochasticMerge(patcher.model, low_rank, seed=seed, codec_of=codec_of,
                             dense_deltas=dense_deltas if shaped else None, dense_layers=sorted(shaped))
+    if patcher.is_dynamic():
+        _twin_layers(patcher, merge.layers)
     return merge, left_out
+
+
+def _twin_layers(patcher, weight_keys) -> None:
+    """Under Dynamic VRAM, give each layer a merge changes its own module object: a twin of the base model's
+    module (same parameters, see :mod:`..lora.twin`) installed as one of ``patcher``'s object patches.
+
+    ModelPatcherDynamic caches the weight it streams per module object (VRAM allocation, residency
+    signature, pinned host copy), filled at the first cast and never refreshed from the module's
+    ``weight``: a merge swapped into the base model's module would run as the base weight once the base
+    model has run. The patcher puts its object patches in the model before it loads, so the twin gets its
+    own caches, filled from the merged weight the injection swaps into it; other patchers of the model
+    load the base model's modules again. Without Dynamic VRAM the merge goes into the model's modules."""
+    import comfy.utils
+
+    for key in weight_keys:
+        path = key[: -len(".weight")]
+        # the base model's module: the model's, or the one kept aside while some clone's object patch is in
+        source = patcher.object_patches_backup.get(path)
+        if source is None:
+            source = comfy.utils.get_attr(patcher.model, path)
+        patcher.add_object_patch(path, module_twin(source))
 
 
 def _dynamic_applier(patcher, info: _ModelKeys, active, files, position: int, seed: int):
@@ -392,12 +419,19 @@ def _linear_diff(key: str, patch: tuple, shapes) -> bool:
 
 
 def _bypass_injections(patcher, plan, files, shapes) -> tuple[list, list[LeftOut]]:
-    """ComfyUI bypass injections running ``plan``'s adapters at run time, and the entries they cannot run."""
+    """An injection running ``plan``'s adapters at run time through ComfyUI's bypass forward hooks, and the
+    entries they cannot run.
+
+    A hook replaces one module object's ``forward``, so each is made for the module that is in the model
+    when ``patcher`` runs (``get_model_object``: the patcher's own object patch - a DoRA merge's twin -
+    or the base model's module, even while another clone's object patches are in the model). Hooks on
+    one module wrap each other: injected in order, ejected in reverse."""
     if not plan:
         return [], []
-    from comfy.weight_adapter.bypass import BypassInjectionManager
+    from comfy.patcher_extension import PatcherInjection
+    from comfy.weight_adapter.bypass import BypassForwardHook
 
-    managers: list = []  # ComfyUI's manager keeps one adapter per module: stacked ones need one each
+    hooks: list = []
     left_out = []
     for key, entries in _adapter_patches(plan, files).items():
         for slot, adapter, offset in entries:
@@ -413,12 +447,20 @@ def _bypass_injections(patcher, plan, files, shapes) -> tuple[list, list[LeftOut
                     left_out.append(LeftOut(slot.name, key, kind, reason))
                     continue
                 adapter = _DiffBypass(adapter[1][0])  # a full weight or bias diff: its share of the output
-            module = key.rsplit(".", 1)[0] if key.endswith((".weight", ".bias")) else key
-            manager = next((m for m in managers if module not in m.adapters), None)
-            if manager is None:
-                managers.append(manager := BypassInjectionManager())
-            manager.add_adapter(module, adapter, strength=slot.strength)
-    return [injection for m in managers for injection in m.create_injections(patcher.model)], left_out
+            path = key.rsplit(".", 1)[0] if key.endswith((".weight", ".bias")) else key
+            hooks.append(BypassForwardHook(patcher.get_model_object(path), adapter, multiplier=slot.strength))
+    if not hooks:
+        return [], left_out
+
+    def inject(_patcher) -> None:
+        for hook in hooks:
+            hook.inject()
+
+    def eject(_patcher) -> None:
+        for hook in reversed(hooks):
+            hook.eject()
+
+    return [PatcherInjection(inject=inject, eject=eject)], left_out
 
 
 class _DiffBypass:
