@@ -21,27 +21,72 @@ import torch
 HADAMARD_KINDS = ("regular", "sylvester")
 
 
-@functools.lru_cache(maxsize=32)
-def _hadamard_cpu_fp32(kind: str, size: int) -> torch.Tensor:
+def _check(kind: str, size: int) -> None:
     if kind == "regular":
         if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
             raise ValueError(f"a regular Hadamard matrix needs a power of 4 (16, 64, 256, ...), got {size}")
-        base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
     elif kind == "sylvester":
         if size < 2 or size & (size - 1):
             raise ValueError(f"a Sylvester Hadamard matrix needs a power of 2, got {size}")
-        base = torch.tensor([[1, 1], [1, -1]], dtype=torch.float64)
     else:
         raise ValueError(f"unknown Hadamard kind {kind!r}; expected one of {HADAMARD_KINDS}")
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_cpu_fp32(kind: str, size: int) -> torch.Tensor:
+    _check(kind, size)
+    if kind == "regular":
+        base = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
+    else:
+        base = torch.tensor([[1, 1], [1, -1]], dtype=torch.float64)
     matrix = base
     while matrix.shape[0] < size:
         matrix = torch.kron(matrix, base)
     return (matrix / size**0.5).to(torch.float32)
 
 
+def _hadamard_from_indices(kind: str, size: int, device, dtype) -> torch.Tensor:
+    """The same matrix as :func:`_hadamard_cpu_fp32`, bit for bit, computed from row/column indices
+    with tensor ops only (no cache, no Python-held tensor), so it can be built under fake tensors.
+
+    Entry ``(i, j)`` of a Kronecker power of a base matrix is the product of the base's entries at
+    each pair of digits of ``i`` and ``j``: Sylvester (base 2) is ``-1`` where ``i & j`` has an odd
+    bit count; regular (base 4, ``-1`` where the two digits sum to 3) is ``-1`` where an odd number
+    of base-4 digit pairs sum to 3.
+    """
+    _check(kind, size)
+    index = torch.arange(size, device=device)
+    rows, cols = index[:, None], index[None, :]
+    odd = torch.zeros((size, size), dtype=torch.bool, device=device)
+    if kind == "sylvester":
+        both = rows & cols
+        for bit in range(size.bit_length() - 1):
+            odd = odd ^ (((both >> bit) & 1) == 1)
+    else:
+        for digit in range((size.bit_length() - 1) // 2):
+            odd = odd ^ ((((rows >> (2 * digit)) & 3) + ((cols >> (2 * digit)) & 3)) == 3)
+    sign = 1.0 - 2.0 * odd.to(torch.float32)
+    # +-1 times the float32 rounding of 1/sqrt(size): what the cached float64 build rounds to
+    return (sign * (1.0 / size**0.5)).to(dtype)
+
+
+def _building_a_graph() -> bool:
+    """Whether torch.compile (Dynamo, or AOT tracing under fake tensors) is running this code: a
+    tensor cached by an eager call is a real tensor, which a fake-tensor graph cannot take in."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
+
+
 def hadamard_matrix(kind: str, size: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Orthonormal ``size``×``size`` Hadamard matrix of the given construction."""
-    return _hadamard_cpu_fp32(kind, int(size)).to(device=device, dtype=dtype)
+    """Orthonormal ``size``×``size`` Hadamard matrix of the given construction.
+
+    Eager calls copy a per-process cached matrix; while torch.compile traces (fake tensors), the
+    matrix is computed from indices instead (same values), so a dequantize or rotation traced into
+    a graph never meets the cache's real tensor.
+    """
+    size = int(size)
+    if _building_a_graph():
+        return _hadamard_from_indices(kind, size, device, dtype)
+    return _hadamard_cpu_fp32(kind, size).to(device=device, dtype=dtype)
 
 
 def rotate_blocks(x: torch.Tensor, kind: str, group_size: int) -> torch.Tensor:

@@ -209,6 +209,50 @@ def _define():
 quantized_linear_op = _define()
 
 
+# ---- dequantize, as an op -----------------------------------------------------------------------------
+
+def _dequantize_weight_impl(qdata: torch.Tensor, param_tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
+    parsed = parse_spec(spec)
+    out = rebuild_weight(qdata, list(param_tensors), parsed).dequantize().to(parsed.values["orig_dtype"])
+    inputs = {t.untyped_storage().data_ptr() for t in (qdata, *param_tensors)}
+    # an op's output may not alias its inputs (a layout could hand back a view of its data)
+    return out.clone() if out.untyped_storage().data_ptr() in inputs else out.contiguous()
+
+
+def _dequantize_weight_fake(qdata, param_tensors, spec):
+    values = parse_spec(spec).values
+    return qdata.new_empty(tuple(values["orig_shape"]), dtype=values["orig_dtype"])
+
+
+def _define_dequantize():
+    try:
+        return torch.ops.lowbit.dequantize_weight
+    except (AttributeError, RuntimeError):
+        pass
+    op = torch.library.custom_op("lowbit::dequantize_weight", _dequantize_weight_impl, mutates_args=())
+    op.register_fake(_dequantize_weight_fake)
+    return torch.ops.lowbit.dequantize_weight
+
+
+dequantize_weight_op = _define_dequantize()
+
+
+def dequantize_weight(format_name: str, weight: QuantizedTensor) -> torch.Tensor:
+    """``weight.dequantize()`` in its ``orig_dtype``, compile-safe.
+
+    While ``torch.compile`` traces, this is the ``lowbit::dequantize_weight`` op, whose body runs only on
+    real tensors: comfy-kitchen's 4-bit dequantize (``w4a4``, ``w4a8``) multiplies by a Hadamard matrix
+    kept in a per-process cache, a real tensor that a fake-tensor trace cannot take in (and a first call
+    under fake tensors would leave a fake one in that cache). Otherwise it is ``weight.dequantize()``.
+    ``format_name`` is the weight's ``quant.formats.FORMATS`` key (it goes into the op's spec string).
+    """
+    if torch.compiler.is_compiling():
+        device = weight._qdata.device
+        return dequantize_weight_op(_as_bytes(weight._qdata, device), [_as_bytes(t, device)
+                                    for t in param_tensors(weight)], linear_spec(format_name, weight))
+    return weight.dequantize().to(weight._params.orig_dtype)
+
+
 def _as_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     t = t.to(device)
     return t.view(torch.uint8) if t.dtype in _BYTE_DTYPES else t
@@ -242,5 +286,5 @@ def quantized_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor,
     return _run(format_name, x, weight, bias, input_scale, backend)
 
 
-__all__ = ["CompiledLinearError", "backend_scope", "linear_spec", "op_arguments", "param_tensors", "parse_spec",
-           "quantized_linear", "quantized_linear_op", "rebuild_weight"]
+__all__ = ["CompiledLinearError", "backend_scope", "dequantize_weight", "dequantize_weight_op", "linear_spec",
+           "op_arguments", "param_tensors", "parse_spec", "quantized_linear", "quantized_linear_op", "rebuild_weight"]

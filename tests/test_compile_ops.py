@@ -18,8 +18,10 @@ from layout_helpers import sqnr_db
 from lowbit.kernels import ops
 from lowbit.lora.attach import DynamicLoras
 from lowbit.lora.delta import LowRankDelta
-from lowbit.quant.compiled_linear import (CompiledLinearError, linear_spec, op_arguments, param_tensors, parse_spec,
-                                          quantized_linear, quantized_linear_op, rebuild_weight)
+from lowbit.kernels.hadamard import _hadamard_cpu_fp32, _hadamard_from_indices, rotate_blocks, unrotate_blocks
+from lowbit.quant.compiled_linear import (CompiledLinearError, dequantize_weight, dequantize_weight_op, linear_spec,
+                                          op_arguments, param_tensors, parse_spec, quantized_linear, quantized_linear_op,
+                                          rebuild_weight)
 from lowbit.quant.formats import FORMATS
 
 FORMAT_NAMES = tuple(FORMATS)
@@ -152,6 +154,47 @@ def test_dynamic_lora_strength_and_swap_do_not_recompile(fmt):
         first.attach()
         assert torch.equal(compiled(x), warm), "swapping back must give the warm-up output again"
         assert counter.frame_count == 1, f"{counter.frame_count - 1} recompiles after warm-up"
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_dequantize_op_passes_opcheck_and_traces_after_eager_use(fmt):
+    """Dequantizing inside a compiled graph (ComfyUI dequantizes a weight that a LoRA patches while it
+    streams): every format, including kitchen's 4-bit ones whose dequantize multiplies by a Hadamard
+    matrix from a per-process cache of real tensors. Eager calls first fill the caches, as a sampler's
+    first steps would; the compiled dequantize equals eager, and eager still works after the trace."""
+    weight = QuantLinear(fmt, 64, HIDDEN, seed=5).weight
+    eager = dequantize_weight(fmt, weight)
+    assert eager.shape == (64, HIDDEN) and eager.dtype == weight._params.orig_dtype
+    qdata, tensors = op_arguments(fmt, randn(1, HIDDEN, seed=1), weight)[1:3]
+    torch.library.opcheck(dequantize_weight_op, (qdata, tensors, linear_spec(fmt, weight)))
+    x = randn(3, HIDDEN, seed=2, dtype=torch.bfloat16)
+    compiled = torch.compile(lambda t, w: torch.nn.functional.linear(t, dequantize_weight(fmt, w)),
+                             backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, weight), torch.nn.functional.linear(x, eager))
+    assert torch.equal(dequantize_weight(fmt, weight), eager)
+
+
+@pytest.mark.parametrize("fmt", ("int8_quarot", "int8_hadanorm"))
+def test_our_rotated_layouts_dequantize_inside_a_graph(fmt):
+    """Our layouts' own ``dequantize`` traced as is (what Dynamo does with ComfyUI's cast): the Hadamard
+    matrix is computed in the graph instead of taken from the eager cache."""
+    weight = QuantLinear(fmt, 64, HIDDEN, seed=5).weight
+    eager = weight.dequantize()  # fills the cache with a real tensor
+    compiled = torch.compile(lambda w: w.dequantize() * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(weight), eager * 2)
+
+
+@pytest.mark.parametrize("kind,sizes", [("sylvester", (2, 4, 32, 128, 512)), ("regular", (4, 16, 64, 256, 1024))])
+def test_hadamard_from_indices_is_the_cached_matrix(kind, sizes):
+    for size in sizes:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert torch.equal(_hadamard_from_indices(kind, size, None, dtype), _hadamard_cpu_fp32(kind, size).to(dtype))
+    x = randn(5, 512, seed=3)
+    rotate = torch.compile(lambda t: unrotate_blocks(rotate_blocks(t, kind, sizes[-2]), kind, sizes[-2]),
+                           backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(rotate(x), x, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="power of"):
+        _hadamard_from_indices(kind, 48, None, torch.float32)
 
 
 def test_forced_backend_reaches_the_compiled_op():
