@@ -21,7 +21,9 @@ What the node does (each point is a fix for a way stock compile goes wrong on qu
   LoRA attached after a compile is never skipped). Dynamo's recompile limit is raised to
   ``recompile_limit`` (never lowered).
 * **Dynamic VRAM**: the branch after the node is demoted to a regular ModelPatcher, as stock
-  compile does (Dynamic VRAM's per-layer streaming cannot run inside a compiled graph).
+  compile does (Dynamic VRAM's per-layer streaming cannot run inside a compiled graph). A model
+  LowBit made, or one without a loader recipe, becomes a regular copy sharing its weights
+  (:func:`non_dynamic_copy`) instead of being rebuilt from its file.
 * **Falls back to eager with a warning** naming the error when compiling fails, instead of failing
   the workflow; the model then runs uncompiled for the rest of the session.
 """
@@ -30,12 +32,14 @@ from __future__ import annotations
 
 import logging
 import types
+import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from comfy_api.latest import io
+from comfy_kitchen.tensor import QuantizedTensor
 
 from . import CATEGORY
 from .common import NodeInputError
@@ -259,13 +263,72 @@ def _first_lines(text: str, lines: int = 3, limit: int = 500) -> str:
 # ---- the node ---------------------------------------------------------------------------------------
 
 def demoted_clone(model):
-    """A clone of ``model`` that is not a Dynamic VRAM patcher (stock compile's ``disable_dynamic``)."""
-    try:
-        return model.clone(disable_dynamic=True)
-    except RuntimeError as err:  # a Dynamic VRAM model its loader cannot rebuild
-        log.warning("LowBit compile: cannot leave Dynamic VRAM for this model (%s); compiling it as it is, which "
-                    "may fall back to eager", err)
+    """A clone of ``model`` that does not run under Dynamic VRAM (stock compile's ``disable_dynamic``).
+
+    A compiled region must not hold a Dynamic VRAM layer: ComfyUI's cast streams its weight through
+    comfy-aimdo's ctypes calls, which Dynamo cannot trace, or, for an input on the CPU, dequantizes
+    it there (comfy-kitchen's 4-bit dequantize reads a cached real Hadamard matrix, which a
+    fake-tensor trace cannot take in). Stock TorchCompileModel rebuilds the model from its loader's
+    ``cached_patcher_init`` as a regular ModelPatcher. This node:
+
+    * not Dynamic VRAM: a plain clone;
+    * a model LowBit quantized or loaded (``model.lowbit_info``), or one with no loader recipe
+      (built from a state dict, a custom loader): :func:`non_dynamic_copy`, a regular ModelPatcher
+      over a copy of the module tree sharing the weights (nothing is read again or re-quantized,
+      which rebuilding a model Quantize made from its float file would do);
+    * any other model: stock's rebuild.
+    """
+    from .model_quant import model_info
+
+    is_dynamic = getattr(model, "is_dynamic", None)
+    if is_dynamic is None or not is_dynamic():
         return model.clone()
+    if model_info(model) is None and getattr(model, "cached_patcher_init", None) is not None:
+        return model.clone(disable_dynamic=True)
+    return non_dynamic_copy(model)
+
+
+def non_dynamic_copy(model):
+    """A regular (non Dynamic VRAM) ModelPatcher over a copy of ``model``'s module tree.
+
+    The copy shares the weight storage (``model_quant.copy_model``: new modules and Parameter objects,
+    no tensor copies, no Dynamic VRAM state such as ``_v``); ``model`` is unloaded first so the copy
+    sees its unpatched weights. Float weights a Dynamic VRAM load kept in the file's dtype are cast to
+    the dtype the model was built in (``<param>_comfy_model_dtype``), as a regular load does. Patches,
+    wrappers, injections and ``lowbit_info`` carry over; the copy is its own model to ComfyUI's model
+    manager (no parent, its own ``clone_base_uuid``).
+    """
+    from .model_quant import INFO_ATTR, copy_model, ensure_unpatched
+
+    ensure_unpatched(model, offloaded=True)
+    source = model.model
+    new_model = copy_model(source, model.offload_device)
+    cast = _cast_to_model_dtypes(new_model)
+    info = getattr(source, INFO_ATTR, None)
+    if info is not None:
+        setattr(new_model, INFO_ATTR, info)
+    demoted = model.clone(disable_dynamic=True, model_override=(new_model, ({}, {}, {}, set())))
+    demoted.parent = None  # the model manager must not fall back to the Dynamic VRAM patcher's model
+    demoted.clone_base_uuid = uuid.uuid4()
+    demoted.size = 0
+    demoted.hook_backup = {}
+    log.info("LowBit compile: %s leaves Dynamic VRAM as a regular copy sharing its weights (%d weights cast to "
+             "the model dtype)", type(source).__name__, cast)
+    return demoted
+
+
+def _cast_to_model_dtypes(model: torch.nn.Module) -> int:
+    """Cast float parameters held in another dtype than ``<name>_comfy_model_dtype`` to it; returns how many."""
+    count = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            dtype = module.__dict__.get(f"{name}_comfy_model_dtype")
+            if (param is None or dtype is None or param.dtype == dtype or isinstance(param, QuantizedTensor)
+                    or not param.is_floating_point() or not dtype.is_floating_point):
+                continue
+            module._parameters[name] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            count += 1
+    return count
 
 
 def compile_model(model, settings: CompileSettings):
@@ -334,5 +397,5 @@ class LowBitCompileQuantizedModel(io.ComfyNode):
 
 
 __all__ = ["CompileSettings", "CompileState", "CompileWrapper", "LowBitCompileQuantizedModel", "compile_model",
-           "compile_wrapper", "compiled_forward", "mark_dynamic_dims", "repeated_blocks",
-           "skip_transformer_options_guards"]
+           "compile_wrapper", "compiled_forward", "demoted_clone", "mark_dynamic_dims", "non_dynamic_copy",
+           "repeated_blocks", "skip_transformer_options_guards"]

@@ -13,6 +13,7 @@ tests use ComfyUI's PyTorch attention, what a CUDA install runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -25,13 +26,14 @@ require_comfy()
 import comfy.ldm.flux.math  # noqa: E402
 import comfy.ldm.modules.attention  # noqa: E402
 import comfy.model_management  # noqa: E402
+from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from lowbit.nodes.compile import (CompileSettings, LowBitCompileQuantizedModel, compile_model,  # noqa: E402
-                                  compile_wrapper, repeated_blocks)
+                                  compile_wrapper, demoted_clone, repeated_blocks)
 from lowbit.nodes.lora_nodes import LoraEntry, apply_lora_stack  # noqa: E402
-from lowbit.nodes.model_quant import quantize_model  # noqa: E402
+from lowbit.nodes.model_quant import model_info, quantize_model  # noqa: E402
 from lowbit.quant.demo import TinyFluxConfig, tiny_flux_state_dict  # noqa: E402
 from lowbit.quant.formats import FORMATS  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
@@ -61,15 +63,28 @@ def graphs() -> int:
 
 
 def run(model_patcher, *, size: int = 16, seed: int = 0) -> torch.Tensor:
+    """One denoiser call as a sampler makes it: the model loaded by ComfyUI's model manager, the inputs
+    on its load device (CPU inputs would make a GPU run mix devices, or send a Dynamic VRAM layer down
+    ComfyUI's CPU-side dequantize), the patcher's wrappers in ``transformer_options``."""
     comfy.model_management.load_models_gpu([model_patcher])
+    dev = model_patcher.load_device
     gen = torch.Generator().manual_seed(seed)
+    x, context, y = (torch.randn(1, 16, size, size, generator=gen), torch.randn(1, 8, 64, generator=gen),
+                     torch.randn(1, 32, generator=gen))
     with torch.no_grad():
         out = model_patcher.model.apply_model(
-            torch.randn(1, 16, size, size, generator=gen), torch.full((1,), 0.6),
-            c_crossattn=torch.randn(1, 8, 64, generator=gen), y=torch.randn(1, 32, generator=gen),
-            guidance=torch.full((1,), 3.5),
+            x.to(dev), torch.full((1,), 0.6, device=dev), c_crossattn=context.to(dev), y=y.to(dev),
+            guidance=torch.full((1,), 3.5, device=dev),
             transformer_options={"wrappers": model_patcher.wrappers})  # as comfy.sampler_helpers passes them
-    return out.float()
+    return out.float().cpu()
+
+
+def assert_compiles_outside_dynamic_vram(compiled) -> None:
+    """What the node must hand the compiler: a regular ModelPatcher whose layers carry no Dynamic VRAM
+    allocation (``_v``: their weights would stream through comfy-aimdo inside the graph)."""
+    assert not compiled.is_dynamic()
+    streamed = [name for name, m in compiled.model.named_modules() if hasattr(m, "_v")]
+    assert not streamed, f"layers still under Dynamic VRAM: {streamed[:3]}"
 
 
 def lora_file(path, seed: int, rank: int = 4, layers=LORA_LAYERS) -> LoraEntry:
@@ -129,14 +144,20 @@ def test_compiled_matches_eager_and_blocks_share_one_trace(quantized, flux_sd):
     out = run(compiled)
     wrapper = compile_wrapper(compiled)
     assert wrapper.state.failure is None
+    assert_compiles_outside_dynamic_vram(compiled)
     # 2 double + 2 single blocks: one graph per block class, not per block
     assert graphs() - before == 2
     assert wrapper.state.regions == ("DoubleStreamBlock", "SingleStreamBlock")
-    # inductor computes bf16 element-wise ops in fp32: the compiled model differs from eager far less
-    # than quantization does, and is as close to the float model as eager is
+    # The compiled blocks run the eager kernels (one lowbit::quantized_linear per layer), but inductor
+    # fuses the element-wise ops around them, and a last-bit change in an activation can flip its
+    # per-token INT8 rounding: measured on the CPU, the float model compiled is 131 dB from its eager
+    # output while this W8A8 model compiled is 47.1 dB from its own (quantization noise: 31.2 dB).
+    # How far those flips go depends on the device's kernels, not on the quantization noise, so the
+    # check is that the compiled model is as close to the float model as eager is (the flips add
+    # less than 0.5 dB of error) and that it is far closer to eager than to the float model.
     quant_noise = sqnr_db(float_out, reference)
-    assert sqnr_db(reference, out) > quant_noise + 15
     assert abs(sqnr_db(float_out, out) - quant_noise) < 0.5
+    assert sqnr_db(reference, out) > quant_noise + 6
     # a second call, new inputs of the same shape: no new graph
     run(compiled, seed=1)
     assert graphs() - before == 2
@@ -153,6 +174,7 @@ def test_every_format_traces_fullgraph_in_comfyui(fmt):
     out = run(compiled)
     state = compile_wrapper(compiled).state
     assert state.failure is None and state.regions == ("DoubleStreamBlock", "SingleStreamBlock")
+    assert_compiles_outside_dynamic_vram(compiled)
     assert graphs() - before == 2
     assert torch.equal(out, reference)
 
@@ -242,6 +264,7 @@ def test_ksampler_compiles_at_the_first_sampling_call(quantized):
     assert wrapper.state.calls == 0
     out = sample(compiled, cfg=2.0)  # cond and uncond batched: batch 2
     assert wrapper.state.calls >= 2 and wrapper.state.failure is None
+    assert_compiles_outside_dynamic_vram(compiled)
     assert wrapper.state.regions == ("DoubleStreamBlock", "SingleStreamBlock")
     assert sqnr_db(reference, out) > 30
     before = graphs()
@@ -263,26 +286,79 @@ def test_recompile_limit_is_raised_never_lowered():
         assert (config.recompile_limit, config.accumulated_recompile_limit) == (64, 512)
 
 
-class _DynamicPatcher:
-    """Stands in for a Dynamic VRAM ModelPatcher (Dynamic VRAM needs CUDA)."""
+@contextlib.contextmanager
+def as_dynamic(model_patcher):
+    """A clone that says it is a Dynamic VRAM patcher (real ones need CUDA and comfy-aimdo), with a layer
+    holding a stand-in for aimdo's per-layer allocation ``_v`` while the block runs. The GPU run with
+    ``LOWBIT_TEST_DYNAMIC_VRAM=1`` exercises the real ones through the tests above."""
+    clone = model_patcher.clone()
+    clone.is_dynamic = lambda: True
+    layer = clone.model.diffusion_model.double_blocks[0].img_attn.qkv
+    layer._v = object()
+    try:
+        yield clone
+    finally:
+        del layer._v
 
-    def __init__(self, rebuildable: bool):
-        self.rebuildable, self.calls = rebuildable, []
 
-    def clone(self, disable_dynamic=False):
-        self.calls.append(disable_dynamic)
-        if disable_dynamic and not self.rebuildable:
-            raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
-        return ("demoted" if disable_dynamic else "dynamic", self)
+def test_dynamic_vram_float_model_is_rebuilt_by_its_loader_as_stock_does(flux_sd):
+    calls = []
+
+    def loader(state_dict, disable_dynamic=False):
+        calls.append(disable_dynamic)
+        return load_stock(state_dict)
+
+    with as_dynamic(load_stock(flux_sd)) as dynamic:
+        dynamic.cached_patcher_init = (loader, (flux_sd,))
+        demoted = demoted_clone(dynamic)
+    assert calls == [True] and not demoted.is_dynamic()
+    assert demoted.model is not dynamic.model
 
 
-def test_dynamic_vram_branch_is_demoted(caplog):
-    from lowbit.nodes.compile import demoted_clone
+def storage(t: torch.Tensor) -> int:
+    return (t._qdata if isinstance(t, QuantizedTensor) else t).data_ptr()
 
-    patcher = _DynamicPatcher(rebuildable=True)
-    assert demoted_clone(patcher)[0] == "demoted" and patcher.calls == [True]
-    patcher = _DynamicPatcher(rebuildable=False)
-    with caplog.at_level(logging.WARNING):
-        assert demoted_clone(patcher)[0] == "dynamic"
-    assert patcher.calls == [True, False]
-    assert any("cannot leave Dynamic VRAM" in r.getMessage() for r in caplog.records)
+
+def test_dynamic_vram_lowbit_model_becomes_a_regular_copy_sharing_its_weights(quantized):
+    reference = run(quantized)
+    with as_dynamic(quantized) as dynamic:
+        dynamic.cached_patcher_init = (pytest.fail, ("a LowBit model must not be rebuilt (re-quantized) to compile",))
+        demoted = demoted_clone(dynamic)
+        assert_compiles_outside_dynamic_vram(demoted)
+    assert demoted.model is not dynamic.model and demoted.parent is None
+    assert demoted.clone_base_uuid != dynamic.clone_base_uuid
+    assert model_info(demoted) is model_info(quantized)
+    source = dict(dynamic.model.diffusion_model.named_parameters())
+    copied = dict(demoted.model.diffusion_model.named_parameters())
+    assert copied.keys() == source.keys()
+    assert all(copied[k] is not p and storage(copied[k]) == storage(p) for k, p in source.items())
+    assert torch.equal(run(demoted), reference)
+
+
+def test_dynamic_vram_copy_casts_weights_left_in_the_file_dtype(flux_sd):
+    """A Dynamic VRAM load assigns the file's tensors (a file in another dtype than the model's stays in
+    it); a regular load copies them into the model's dtype, and so does the copy (an uncast weight would
+    not even run: a layer without ComfyUI's cast calls F.linear with mixed dtypes)."""
+    stock = load_stock(flux_sd)
+    layer = stock.model.diffusion_model.single_blocks[1].linear2
+    model_dtype = layer.weight_comfy_model_dtype
+    assert layer.weight.dtype == model_dtype
+    file_dtype = torch.float16 if model_dtype != torch.float16 else torch.float32
+    original = layer.weight
+    layer.weight = torch.nn.Parameter(original.detach().to(file_dtype), requires_grad=False)  # as assign=True
+    try:
+        with as_dynamic(stock) as dynamic:
+            demoted = demoted_clone(dynamic)  # no loader recipe: the copy
+        copied = demoted.model.diffusion_model.single_blocks[1].linear2.weight
+        assert copied.dtype == model_dtype and torch.equal(copied, layer.weight.to(model_dtype))
+        assert layer.weight.dtype == file_dtype  # the source is left as it is
+        out = run(demoted)
+        layer.weight = torch.nn.Parameter(copied.detach().clone(), requires_grad=False)
+        assert torch.equal(out, run(stock))
+    finally:
+        layer.weight = original
+
+
+def test_not_dynamic_is_a_plain_clone(quantized):
+    clone = demoted_clone(quantized)
+    assert clone.model is quantized.model and not clone.is_dynamic()
