@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,7 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: per-module attributes the in-memory quantizer and the loader set (read by model_quant)
 FORMAT_ATTR = "lowbit_format"
 CONFIG_ATTR = "lowbit_config"
+RUNNER_ATTR = "_lowbit_runner"  # (weakref to the weight, device, in_features, input_scale, runner or None)
 PRE_QUANT_SCALE = "pre_quant_scale"  # as quant.calibration_pre_quant and ComfyUI name it
 #: tensors a LowBit layer may carry next to its codec's own
 EXTRA_LAYER_TENSORS = ("input_scale", PRE_QUANT_SCALE)
@@ -181,8 +183,39 @@ class LowBitLinearMixin:
                 # one opaque custom op with a fake: torch.compile traces it (see quant/compiled_linear.py)
                 return quantized_linear(codec.spec.name, input, self.weight, self.bias,
                                         getattr(self, "input_scale", None), config.backend)
+            bound = self._lowbit_resident_runner(input, codec, config)
+            if bound is not None:
+                runner, weight, bias = bound
+                return runner(input, weight, bias)
             return self._lowbit_quantized_forward(input, codec, config)
         return self._lowbit_dequantized_forward(input)
+
+    def _lowbit_resident_runner(self, input, codec: FormatCodec, config: LowBitOpsConfig):
+        """``(runner, weight, bias)`` for a layer whose weights already live where ``input`` is, else ``None``.
+
+        The steady state of a fully loaded model: weight and bias already on the input's device and in
+        its dtype, no patch functions (checked by the caller), not Dynamic VRAM, no forced backend.
+        ``comfy.ops.cast_bias_weight`` would hand back the same tensors, so it is skipped (low-VRAM
+        streaming leaves the weight on the offload device, which takes the full path). The codec's bound runner
+        (:meth:`FormatCodec.bind_linear`) is kept per weight, device, dtype and ``input_scale``,
+        so the next call goes straight to the kernels; a new weight (LoRA merge, device move)
+        binds again. The weight is referenced weakly: the cache never keeps a replaced weight alive.
+        """
+        if config.backend != "auto" or hasattr(self, "_v"):
+            return None
+        weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
+        device, dtype = input.device, input.dtype
+        if weight.device != device or weight.dtype != dtype or (
+                bias is not None and (bias.device != device or bias.dtype != dtype)):
+            return None
+        input_scale = getattr(self, "input_scale", None)
+        cached = self.__dict__.get(RUNNER_ATTR)
+        if (cached is None or cached[0]() is not weight or cached[1] != device or cached[2] != input.shape[-1]
+                or cached[3] is not input_scale):
+            runner = codec.bind_linear(input, weight, input_scale)
+            cached = (weakref.ref(weight), device, input.shape[-1], input_scale, runner)
+            self.__dict__[RUNNER_ATTR] = cached
+        return None if cached[4] is None else (cached[4], weight, bias)
 
     def _lowbit_pre_quant(self, input):
         """``input * pre_quant_scale`` in the input's dtype, as stock ComfyUI applies it (``input`` without one)."""

@@ -80,6 +80,23 @@ class FormatCodec:
         """``x @ weight.T + bias`` with this format's activation quantization."""
         return torch.nn.functional.linear(x, weight, bias)
 
+    def bind_linear(self, x: torch.Tensor, weight: QuantizedTensor,
+                    input_scale: torch.Tensor | None = None) -> LinearRunner | None:
+        """A shortcut for repeated :meth:`linear` calls with this ``weight`` (or ``None``).
+
+        ``runner(x, weight, bias)`` computes what ``linear(x, weight, bias, input_scale)`` computes, for
+        inputs like ``x`` (same device, dtype and features) and this very weight, without the
+        ``F.linear`` -> ``__torch_dispatch__`` -> handler walk and the per-call checks. Callers that
+        run one layer many times (the ComfyUI ops) bind once per weight and reuse it.
+        For our own layouts it is the function registered by :func:`register_linear_family`.
+        """
+        if type(self).linear is not FormatCodec.linear or not _plain_call(x, weight):
+            return None
+        fn = _LINEAR_FNS.get(weight._layout_cls)
+        if fn is None or getattr(weight._params, "transposed", False) or weight._qdata.device != x.device:
+            return None
+        return fn
+
     # ---- checkpoint form ----------------------------------------------------------------
     def comfy_quant(self, qt: QuantizedTensor) -> dict:
         """The per-layer ``comfy_quant`` JSON object for ``qt``."""
@@ -138,6 +155,17 @@ def check_numel(layer: str, tensor: torch.Tensor, fmt: str, key: str, allowed: t
         )
 
 
+#: ``runner(x, weight, bias) -> out``: see :meth:`FormatCodec.bind_linear`
+LinearRunner = Callable[[torch.Tensor, QuantizedTensor, "torch.Tensor | None"], torch.Tensor]
+#: layout registry name -> the ``linear_fn`` given to :func:`register_linear_family`
+_LINEAR_FNS: dict[str, LinearRunner] = {}
+
+
+def _plain_call(x, weight) -> bool:
+    return (not isinstance(x, QuantizedTensor) and isinstance(weight, QuantizedTensor)
+            and active_backend() is Backend.AUTO)
+
+
 def register_linear_family(layout_cls: type, layout_name: str,
                            linear_fn: Callable[[torch.Tensor, QuantizedTensor, torch.Tensor | None], torch.Tensor]) -> None:
     """Register ``t``/``linear``/``mm``/``addmm`` for one of our weight layouts.
@@ -146,6 +174,7 @@ def register_linear_family(layout_cls: type, layout_name: str,
     ``mm(x, w.t())`` and ``addmm(b, x, w.t())`` (how ``F.linear`` decomposes) reuse it; any other
     use of the weight falls back to dequantization.
     """
+    _LINEAR_FNS[layout_name] = linear_fn
 
     @register_layout_op(torch.ops.aten.t.default, layout_cls)
     def _t(qt, args, kwargs):
@@ -271,6 +300,20 @@ class KitchenKernelCodec(FormatCodec):
         return linear_on_kernel(self.spec.name, self._kernel_problem(x, weight, input_scale),
                                 lambda: self._kernel_linear(x, weight, bias),
                                 lambda: self._kitchen_linear(x, weight, bias, input_scale))
+
+    def bind_linear(self, x, weight, input_scale=None):
+        """:meth:`FormatCodec.bind_linear` for a kitchen layout: when LowBit's kernels take calls like
+        this one, a runner that goes straight to them (keeping :func:`linear_on_kernel`'s fallback to
+        kitchen's path if a kernel fails); ``None`` when the call runs kitchen's path anyway."""
+        if not _plain_call(x, weight) or self._kernel_problem(x, weight, input_scale) is not None:
+            return None
+        name = self.spec.name
+
+        def run(x, weight, bias):
+            return linear_on_kernel(name, None, lambda: self._kernel_linear(x, weight, bias),
+                                    lambda: self._kitchen_linear(x, weight, bias, input_scale))
+
+        return run
 
     def _kernel_problem(self, x, weight, input_scale=None) -> str | None:
         """Why this call cannot run on LowBit's kernels (``None`` when it can)."""
