@@ -216,6 +216,44 @@ def test_calibrated_beats_structural_int4_mixed_at_the_same_budget(float_model, 
     assert calibrated_db >= structural_db + MIN_GAIN_DB
 
 
+def test_each_layer_runs_no_worse_than_calibration_measured_it(float_model, monkeypatch):
+    """The calibrated model's own Linear, on the rows calibration recorded for it, has the layer error the
+    calibration measured for its format, fed all rows at once (as calibration measures) and 8 rows a call
+    (the tiny Flux's text stream in run_flux): a format whose run-time path (kernel dispatch per row-count
+    bucket, activation bits, scales) is worse than what calibration measured makes the choice wrong.
+    Measured (CPU): 1.00-1.02x. tests/gpu/diag_calibrate.py prints the same per layer and row count."""
+    import lowbit.nodes.calibrate as node
+    import comfy.model_management
+
+    seen = {}
+    inner = node.calibrate
+
+    def calibrate(weights, samples, config, **kwargs):
+        seen.update(samples)
+        return inner(weights, samples, config, **kwargs)
+
+    monkeypatch.setattr(node, "calibrate", calibrate)
+    config = CalibrationConfig(budget="ratio:0.3", smoothing="off")
+    result = calibrate_model(float_model, config, steps=STEPS, resolution=RESOLUTION, objective="layer_output")
+    quantized = apply_policy(float_model, result.policy, result.input_scales())
+    comfy.model_management.load_models_gpu([quantized])
+    dev = quantized.load_device
+    dm, source = quantized.model.diffusion_model, float_model.model.diffusion_model
+    worse = {}
+    for layer in result.layers:
+        module, float_layer = dm.get_submodule(layer.name), source.get_submodule(layer.name)
+        x = seen[layer.name].rows.to(device=dev, dtype=torch.bfloat16)
+        reference = torch.nn.functional.linear(x.float(), float_layer.weight.detach().to(dev).float())
+        bias = float_layer.bias.detach().to(dev).float()
+        with torch.no_grad():
+            for rows in (x.shape[0], 8):
+                out = torch.cat([module(chunk).float() for chunk in x.split(rows)]) - bias
+                ratio = float((out - reference).norm() / reference.norm()) / layer.chosen.layer_error
+                if ratio > 1.25:
+                    worse[f"{layer.name} ({layer.format}, {rows} rows a call)"] = round(ratio, 2)
+    assert not worse, f"layers running worse than calibration measured them (run-time / measured error): {worse}"
+
+
 # ---- the CLI --------------------------------------------------------------------------------
 
 def _documented_commands() -> list[list[str]]:
