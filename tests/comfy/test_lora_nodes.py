@@ -14,19 +14,19 @@ import uuid
 import pytest
 import torch
 
-from comfy_helpers import require_comfy, run_flux, sqnr_db, tiny_flux_bf16
+from comfy_helpers import comfy_nodes, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
 
 require_comfy()
 
 import comfy.utils  # noqa: E402
 import execution  # noqa: E402
 import folder_paths  # noqa: E402
-import nodes  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from lowbit.nodes import loader, lora_nodes, quantize  # noqa: E402
 from lowbit.nodes.lora_nodes import LORA_FILES, LoraEntry, apply_lora_stack  # noqa: E402
 
+nodes = comfy_nodes()  # ComfyUI's nodes.py, not this repository's nodes/ package
 MODES = lora_nodes.MODES
 BASE = "tiny_flux.safetensors"
 #: three LoRAs in three key styles, overlapping on one layer (double_blocks.0.img_attn.qkv)

@@ -5,19 +5,22 @@ by ``quantize_state_dict``, written with the checkpoint writer, and loaded by st
 (``comfy.utils.load_torch_file`` + ``comfy.sd.load_diffusion_model_state_dict``, i.e. stock
 ``mixed_precision_ops``). Every quantized weight must come back with the same qdata and params as
 LowBit's codec reads from the same entries. The INT8 and FP8 files then run in stock ComfyUI and the
-outputs are compared with LowBit's in-memory quantization of the float model (``quantize_model``).
-The 4-bit files are checked tensor by tensor and run through kitchen's layouts and LowBit's loader.
+outputs are compared with LowBit's in-memory quantization of the float model (``quantize_model``):
+bit for bit on the CPU, where both run comfy-kitchen's eager numerics; on CUDA stock runs kitchen's
+kernels and LowBit its own, so there LowBit's loader must match the in-memory model bit for bit and
+stock must agree within ``comfy_helpers.CUDA_STOCK_AGREEMENT_DB``. The 4-bit files are checked tensor
+by tensor and run through kitchen's layouts and LowBit's loader.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import pytest
 import torch
 
-from comfy_helpers import device, load_stock, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
+from comfy_helpers import (assert_matches_stock, assert_same_quantized_tensor, device, load_stock, require_comfy,
+                           run_flux, sqnr_db, tiny_flux_bf16)
 
 require_comfy()
 
@@ -69,23 +72,6 @@ def _stock_load(path: str, **model_options):
     return load_stock(comfy.utils.load_torch_file(path), **model_options)
 
 
-def _assert_same_quantized_tensor(layer: str, ours: QuantizedTensor, stock: QuantizedTensor) -> None:
-    """qdata and every params field bit-identical; ``orig_dtype`` is each loader's compute dtype."""
-    assert ours._qdata.dtype == stock._qdata.dtype, layer
-    assert torch.equal(ours._qdata.view(torch.uint8), stock._qdata.view(torch.uint8)), f"{layer}: qdata differs"
-    assert type(ours._params).__name__ == type(stock._params).__name__, layer
-    for field in dataclasses.fields(ours._params):
-        if field.name == "orig_dtype":
-            continue
-        a, b = getattr(ours._params, field.name), getattr(stock._params, field.name)
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            assert a is not None and b is not None, f"{layer}: {field.name} present in one only"
-            assert a.dtype == b.dtype and a.shape == b.shape, (layer, field.name, a.dtype, b.dtype, a.shape, b.shape)
-            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (layer, field.name)
-        else:
-            assert a == b, (layer, field.name, a, b)
-
-
 @pytest.mark.parametrize("fmt", NATIVE_FORMATS)
 def test_stock_comfyui_loads_every_quantized_weight_bit_identically(fmt, tmp_dir):
     path, state_dict, plan = _native_file(fmt, tmp_dir)
@@ -101,7 +87,7 @@ def test_stock_comfyui_loads_every_quantized_weight_bit_identically(fmt, tmp_dir
         assert codec.spec.name == fmt
         stock_weight = modules[layer].weight
         assert isinstance(stock_weight, QuantizedTensor), f"{layer}: stock ComfyUI did not load it quantized"
-        _assert_same_quantized_tensor(layer, ours, stock_weight)
+        assert_same_quantized_tensor(layer, ours, stock_weight)
     # the float layers the plan kept are float in stock ComfyUI too
     for decision in plan.layers:
         if decision.format is None:
@@ -109,7 +95,9 @@ def test_stock_comfyui_loads_every_quantized_weight_bit_identically(fmt, tmp_dir
 
 
 @pytest.mark.parametrize("fmt", ("int8", "int8_convrot"))
-def test_int8_stock_and_in_memory_outputs_are_bit_identical(fmt, tmp_dir, float_model, float_output):
+def test_int8_stock_and_in_memory_outputs_match(fmt, tmp_dir, float_model, float_output):
+    """Same tensors as the file; LowBit's loader and in-memory model bit for bit (same kernels); stock
+    ComfyUI bit for bit on the CPU, within its kernels' rounding on CUDA (see assert_matches_stock)."""
     path, _, plan = _native_file(fmt, tmp_dir)
     stock = _stock_load(path)
     ours = quantize_model(float_model, Policy(mode=fmt))
@@ -118,9 +106,11 @@ def test_int8_stock_and_in_memory_outputs_are_bit_identical(fmt, tmp_dir, float_
     stock_modules = dict(stock.model.diffusion_model.named_modules())
     for name, fmt_name, qt in quantized_layers(ours):
         assert fmt_name == fmt
-        _assert_same_quantized_tensor(name, qt, stock_modules[name].weight)
+        assert_same_quantized_tensor(name, qt, stock_modules[name].weight)
     stock_out, ours_out = run_flux(stock), run_flux(ours)
-    assert torch.equal(stock_out, ours_out), f"max |diff| {(stock_out - ours_out).abs().max():.3e}"
+    loader_out = _loader_output(fmt, tmp_dir)
+    assert torch.equal(loader_out, ours_out), f"max |diff| {(loader_out - ours_out).abs().max():.3e}"
+    assert_matches_stock(fmt, stock_out, ours_out, float_output)
     assert sqnr_db(float_output, ours_out) > MIN_OUTPUT_SQNR[fmt]
     assert not torch.equal(ours_out, float_output)
 
@@ -146,7 +136,7 @@ def test_fp8_weights_match_and_outputs_agree_within_the_activation_rounding(tmp_
     ours = quantize_model(float_model, Policy(mode="fp8"))
     stock_modules = dict(stock.model.diffusion_model.named_modules())
     for name, _, qt in quantized_layers(ours):
-        _assert_same_quantized_tensor(name, qt, stock_modules[name].weight)
+        assert_same_quantized_tensor(name, qt, stock_modules[name].weight)
     stock_out, ours_out = run_flux(stock), run_flux(ours)
     if "float8_e4m3fn" in default_dequantize_formats(device()):
         assert sqnr_db(stock_out, ours_out) > 100.0
@@ -174,7 +164,7 @@ def test_4bit_files_run_through_kitchen_layouts_and_the_lowbit_loader(fmt, tmp_d
         name = decision.name
         module = our_modules[name]
         assert module.lowbit_format == fmt
-        _assert_same_quantized_tensor(name, module.weight, stock_modules[name].weight)
+        assert_same_quantized_tensor(name, module.weight, stock_modules[name].weight)
         if module.in_features != x.shape[-1]:
             continue
         w, b = reference[f"{name}.weight"].float(), reference[f"{name}.bias"].float()
@@ -190,12 +180,13 @@ def test_4bit_files_run_through_kitchen_layouts_and_the_lowbit_loader(fmt, tmp_d
 
 
 @pytest.mark.parametrize("fmt", ("w4a4", "w4a8"))
-def test_4bit_stock_run_matches_the_lowbit_loader_where_stock_runs(fmt, tmp_dir):
-    """Stock ComfyUI 0.30 + kitchen 0.2.27 does run these on this CPU: same bits as LowBit's loader."""
+def test_4bit_stock_run_matches_the_lowbit_loader_where_stock_runs(fmt, tmp_dir, float_output):
+    """Stock ComfyUI 0.30 + kitchen 0.2.27 does run these on a CPU: same bits as LowBit's loader (on
+    CUDA: within the kernels' rounding, see assert_matches_stock)."""
     path, _, _ = _native_file(fmt, tmp_dir)
     ours = _loader_output(fmt, tmp_dir)
     try:
         stock = run_flux(_stock_load(path))
     except Exception as err:  # the failure reported on other kitchen builds; LowBit's loader must still run
         pytest.skip(f"stock ComfyUI cannot run {fmt} here: {type(err).__name__}: {err}")
-    assert torch.equal(stock, ours)
+    assert_matches_stock(fmt, stock, ours, float_output)

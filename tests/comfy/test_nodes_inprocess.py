@@ -7,7 +7,8 @@ import gc
 import pytest
 import torch
 
-from comfy_helpers import load_stock, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
+from comfy_helpers import (assert_matches_stock, assert_same_quantized_weights, load_stock, require_comfy, run_flux,
+                           sqnr_db, tiny_flux_bf16)
 
 require_comfy()
 
@@ -16,7 +17,7 @@ import comfy.utils  # noqa: E402
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
 
 from lowbit.nodes.common import NodeInputError  # noqa: E402
-from lowbit.nodes.loader import LowBitLoadDiffusionModel  # noqa: E402
+from lowbit.nodes.loader import LoadSettings, LowBitLoadDiffusionModel, load_lowbit_diffusion_model  # noqa: E402
 from lowbit.nodes.model_quant import (NotADiffusionModelError, NothingToQuantizeError, copy_model,  # noqa: E402
                                       is_quantized, model_info, native_state_dict, quantize_model,
                                       quantized_layers)
@@ -159,14 +160,21 @@ def test_a_stock_lora_is_baked_into_the_quantized_weights_once(float_model):
     assert torch.equal(run_flux(lora_model), lora_out), "the LoRA model itself must be unchanged"
 
 
-def test_native_state_dict_round_trips_through_stock_comfyui(float_model, tmp_path):
+def test_native_state_dict_round_trips_through_stock_comfyui(float_model, float_output, tmp_path):
+    """Stock ComfyUI reads the saved file as the very tensors LowBit quantized; LowBit's loader runs it
+    bit for bit as the in-memory model; stock runs it bit for bit on the CPU, and on CUDA (its kernels,
+    not LowBit's) within comfy_helpers.CUDA_STOCK_AGREEMENT_DB."""
     quantized = _quantize(float_model)
     sd = native_state_dict(quantized)
     assert not any(k.startswith("diffusion_model.") for k in sd)
     assert sum(k.endswith(".comfy_quant") for k in sd) == len(quantized_layers(quantized))
     path = save_checkpoint(sd, tmp_path / "saved.safetensors")
     reloaded = load_stock(comfy.utils.load_torch_file(str(path)))
-    assert torch.equal(run_flux(reloaded), run_flux(quantized))
+    assert assert_same_quantized_weights(quantized, reloaded) == len(quantized_layers(quantized))
+    ours = run_flux(quantized)
+    lowbit_reloaded = load_lowbit_diffusion_model(str(path), LoadSettings(mode="native"))
+    assert torch.equal(run_flux(lowbit_reloaded), ours)
+    assert_matches_stock(MODE, run_flux(reloaded), ours, float_output)
 
 
 def test_model_copy_shares_weight_storage_but_no_load_state(float_model):
@@ -217,13 +225,15 @@ def test_loader_quantizes_while_loading_like_the_quantize_node(models_dir, float
     assert sqnr_db(float_output, run_flux(in_bf16)) > 20.0
 
 
-def test_loader_reads_a_native_file_as_stock_comfyui_does(models_dir):
+def test_loader_reads_a_native_file_as_stock_comfyui_does(models_dir, float_output):
     state_dict, _ = quantize_state_dict(tiny_flux_bf16(), Policy(mode=MODE))
     path = save_checkpoint(state_dict, models_dir / "flux_int8.safetensors")
     loaded = _load("flux_int8.safetensors", "native")
     assert model_info(loaded).source == "loaded native file" and len(quantized_layers(loaded)) == 26
     stock = load_stock(comfy.utils.load_torch_file(str(path)))
-    assert torch.equal(run_flux(loaded), run_flux(stock))
+    assert assert_same_quantized_weights(loaded, stock) == 26
+    # bit for bit on the CPU; on CUDA stock runs comfy-kitchen's kernels, LowBit its own
+    assert_matches_stock(MODE, run_flux(stock), run_flux(loaded), float_output)
     converted = _load("flux_int8.safetensors", "fp8_rowwise")  # an already quantized file, converted again
     assert {fmt for _, fmt, _ in quantized_layers(converted)} == {"fp8_rowwise"}
 

@@ -1,5 +1,7 @@
 """Issue "nodes" Show 1c in-process: a model quantized in memory and the file Save Quantized Model
-writes from it sample bit-identical latents through stock ComfyUI (UNETLoader, KSampler)."""
+writes from it sample the same latents (KSampler): LowBit's loader on the file bit for bit, on every
+device; stock ComfyUI's UNETLoader bit for bit on the CPU, and on CUDA (comfy-kitchen's kernels, not
+LowBit's) within ``comfy_helpers.CUDA_STOCK_AGREEMENT_DB``."""
 
 from __future__ import annotations
 
@@ -7,15 +9,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfy_helpers import require_comfy, tiny_flux_bf16
+from comfy_helpers import assert_matches_stock, comfy_nodes, require_comfy, tiny_flux_bf16
 
 require_comfy()
 
-import nodes  # noqa: E402
-
+from lowbit.nodes.loader import LowBitLoadDiffusionModel  # noqa: E402
 from lowbit.nodes.model_quant import native_state_dict  # noqa: E402
 from lowbit.nodes.quantize import LowBitQuantizeModel  # noqa: E402
 from lowbit.nodes.save import write_checkpoint  # noqa: E402
+
+nodes = comfy_nodes()  # ComfyUI's nodes.py, not this repository's nodes/ package
 
 
 def _sample(model) -> torch.Tensor:
@@ -26,22 +29,20 @@ def _sample(model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mode", ["int8_convrot", "int8", "fp8_rowwise"])
-def test_saved_file_samples_the_in_memory_latents_bit_for_bit(models_dir, mode):
+def test_saved_file_samples_the_in_memory_latents(models_dir, mode):
     save_file(tiny_flux_bf16(), str(models_dir / "tiny_flux_bf16.safetensors"))
     float_model = nodes.UNETLoader().load_unet("tiny_flux_bf16.safetensors", "default")[0]
     quantized = LowBitQuantizeModel.execute(model=float_model, mode=mode).result[0]
     in_memory = _sample(quantized)
+    float_latents = _sample(float_model)
+    assert not torch.equal(in_memory, float_latents), "the quantized model must differ from the float one"
 
     write_checkpoint(native_state_dict(quantized), str(models_dir / "saved.safetensors"), None)
-    if mode == "fp8_rowwise":  # a LowBit-only format: stock UNETLoader cannot read it, LowBit's loader can
-        from lowbit.nodes.loader import LowBitLoadDiffusionModel
-
-        reloaded = LowBitLoadDiffusionModel.execute(unet_name="saved.safetensors", mode="native").result[0]
-    else:
-        reloaded = nodes.UNETLoader().load_unet("saved.safetensors", "default")[0]
-    from_disk = _sample(reloaded)
-    assert torch.equal(in_memory, from_disk)
-    assert not torch.equal(in_memory, _sample(float_model)), "the quantized model must differ from the float one"
+    reloaded = LowBitLoadDiffusionModel.execute(unet_name="saved.safetensors", mode="native").result[0]
+    assert torch.equal(in_memory, _sample(reloaded)), "LowBit's loader runs the saved file as the in-memory model"
+    if mode != "fp8_rowwise":  # a LowBit-only format: stock UNETLoader cannot read it
+        stock = nodes.UNETLoader().load_unet("saved.safetensors", "default")[0]
+        assert_matches_stock(mode, _sample(stock), in_memory, float_latents, what="latents")
 
 
 def test_saved_metadata_records_the_policy_even_without_workflow_metadata(models_dir):
