@@ -19,9 +19,9 @@ from lowbit.kernels import ops
 from lowbit.lora.attach import DynamicLoras
 from lowbit.lora.delta import LowRankDelta
 from lowbit.kernels.hadamard import _hadamard_cpu_fp32, _hadamard_from_indices, rotate_blocks, unrotate_blocks
-from lowbit.quant.compiled_linear import (CompiledLinearError, dequantize_weight, dequantize_weight_op, linear_spec,
-                                          op_arguments, param_tensors, parse_spec, quantized_linear, quantized_linear_op,
-                                          rebuild_weight)
+from lowbit.quant.compiled_linear import (CompiledLinearError, dequantize_weight, dequantize_weight_op,
+                                          linear_spec, op_arguments, param_tensors, parse_spec, quantized_linear,
+                                          quantized_linear_op, rebuild_weight)
 from lowbit.quant.formats import FORMATS
 
 FORMAT_NAMES = tuple(FORMATS)
@@ -188,7 +188,8 @@ def test_our_rotated_layouts_dequantize_inside_a_graph(fmt):
 def test_hadamard_from_indices_is_the_cached_matrix(kind, sizes):
     for size in sizes:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            assert torch.equal(_hadamard_from_indices(kind, size, None, dtype), _hadamard_cpu_fp32(kind, size).to(dtype))
+            expected = _hadamard_cpu_fp32(kind, size).to(dtype)
+            assert torch.equal(_hadamard_from_indices(kind, size, None, dtype), expected)
     x = randn(5, 512, seed=3)
     rotate = torch.compile(lambda t: unrotate_blocks(rotate_blocks(t, kind, sizes[-2]), kind, sizes[-2]),
                            backend="aot_eager", fullgraph=True)

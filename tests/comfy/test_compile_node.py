@@ -26,12 +26,13 @@ require_comfy()
 import comfy.ldm.flux.math  # noqa: E402
 import comfy.ldm.modules.attention  # noqa: E402
 import comfy.model_management  # noqa: E402
+import comfy.sd  # noqa: E402
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from lowbit.nodes.compile import (CompileSettings, LowBitCompileQuantizedModel, compile_model,  # noqa: E402
-                                  compile_wrapper, demoted_clone, repeated_blocks)
+from lowbit.nodes.compile import (WRAPPER_KEY, CompileSettings, LowBitCompileQuantizedModel,  # noqa: E402
+                                  compile_model, compile_wrapper, demoted_clone, repeated_blocks)
 from lowbit.nodes.lora_nodes import LoraEntry, apply_lora_stack  # noqa: E402
 from lowbit.nodes.model_quant import model_info, quantize_model  # noqa: E402
 from lowbit.quant.demo import TinyFluxConfig, tiny_flux_state_dict  # noqa: E402
@@ -77,6 +78,16 @@ def run(model_patcher, *, size: int = 16, seed: int = 0) -> torch.Tensor:
             guidance=torch.full((1,), 3.5, device=dev),
             transformer_options={"wrappers": model_patcher.wrappers})  # as comfy.sampler_helpers passes them
     return out.float().cpu()
+
+
+def eager_twin(compiled):
+    """The compiled branch's own model run without the compile wrapper: its exact eager reference (under
+    Dynamic VRAM the model before the node is another model, which ComfyUI casts in another way)."""
+    from comfy.patcher_extension import WrappersMP
+
+    twin = compiled.clone()
+    twin.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    return twin
 
 
 def assert_compiles_outside_dynamic_vram(compiled) -> None:
@@ -152,12 +163,14 @@ def test_compiled_matches_eager_and_blocks_share_one_trace(quantized, flux_sd):
     # fuses the element-wise ops around them, and a last-bit change in an activation can flip its
     # per-token INT8 rounding: measured on the CPU, the float model compiled is 131 dB from its eager
     # output while this W8A8 model compiled is 47.1 dB from its own (quantization noise: 31.2 dB).
-    # How far those flips go depends on the device's kernels, not on the quantization noise, so the
-    # check is that the compiled model is as close to the float model as eager is (the flips add
-    # less than 0.5 dB of error) and that it is far closer to eager than to the float model.
+    # How far those flips go depends on the device's kernels, not on the quantization noise (the old
+    # bound, 15 dB below it, was the CPU's margin), so the check is what matters to a user: the
+    # compile's deviation sits at least 6 dB below the quantization noise and leaves the compiled
+    # model within 1 dB of eager's distance to the float model. A real mismatch (a dropped LoRA or
+    # pre_quant_scale, a wrong kernel) deviates by about the quantization noise or more.
     quant_noise = sqnr_db(float_out, reference)
-    assert abs(sqnr_db(float_out, out) - quant_noise) < 0.5
-    assert sqnr_db(reference, out) > quant_noise + 6
+    assert sqnr_db(reference, out) > quant_noise + 6  # the compile's own deviation adds at most 1 dB of error
+    assert sqnr_db(float_out, out) > quant_noise - 1
     # a second call, new inputs of the same shape: no new graph
     run(compiled, seed=1)
     assert graphs() - before == 2
@@ -168,8 +181,8 @@ def test_every_format_traces_fullgraph_in_comfyui(fmt):
     """ComfyUI's LowBit Linear under Dynamo, every format: one graph per block class, and (aot_eager
     changes no numerics) exactly the eager output."""
     model = quantize_model(load_stock(tiny_flux_state_dict(FLUX, seed=0)), Policy(mode=fmt))
-    reference = run(model)
     compiled = compile_model(model, CompileSettings(backend="aot_eager", fullgraph=True))
+    reference = run(eager_twin(compiled))
     before = graphs()
     out = run(compiled)
     state = compile_wrapper(compiled).state
@@ -214,8 +227,8 @@ def test_no_recompiles_for_lora_strength_swap_or_resolution(quantized, tmp_path)
 
 
 def test_failure_falls_back_to_eager_with_a_warning(quantized, caplog):
-    reference = run(quantized)
     compiled = compile_model(quantized, CompileSettings(backend="eager", fullgraph=True))
+    reference = run(eager_twin(compiled))
     dm = compiled.model.diffusion_model
     block = dm.double_blocks[0]
     original = type(block).forward
@@ -292,6 +305,9 @@ def as_dynamic(model_patcher):
     holding a stand-in for aimdo's per-layer allocation ``_v`` while the block runs. The GPU run with
     ``LOWBIT_TEST_DYNAMIC_VRAM=1`` exercises the real ones through the tests above."""
     clone = model_patcher.clone()
+    if clone.is_dynamic():  # LOWBIT_TEST_DYNAMIC_VRAM=1 on a GPU: the real thing
+        yield clone
+        return
     clone.is_dynamic = lambda: True
     layer = clone.model.diffusion_model.double_blocks[0].img_attn.qkv
     layer._v = object()
@@ -306,7 +322,7 @@ def test_dynamic_vram_float_model_is_rebuilt_by_its_loader_as_stock_does(flux_sd
 
     def loader(state_dict, disable_dynamic=False):
         calls.append(disable_dynamic)
-        return load_stock(state_dict)
+        return comfy.sd.load_diffusion_model_state_dict(dict(state_dict), disable_dynamic=disable_dynamic)
 
     with as_dynamic(load_stock(flux_sd)) as dynamic:
         dynamic.cached_patcher_init = (loader, (flux_sd,))
@@ -332,7 +348,9 @@ def test_dynamic_vram_lowbit_model_becomes_a_regular_copy_sharing_its_weights(qu
     copied = dict(demoted.model.diffusion_model.named_parameters())
     assert copied.keys() == source.keys()
     assert all(copied[k] is not p and storage(copied[k]) == storage(p) for k, p in source.items())
-    assert torch.equal(run(demoted), reference)
+    # the same kernels on the same weights (bit-identical on the CPU; a GPU's cuBLAS may pick another
+    # algorithm for buffers Dynamic VRAM placed elsewhere); a lost patch or weight is < 40 dB
+    assert sqnr_db(reference, run(demoted)) > 60
 
 
 def test_dynamic_vram_copy_casts_weights_left_in_the_file_dtype(flux_sd):
@@ -354,7 +372,7 @@ def test_dynamic_vram_copy_casts_weights_left_in_the_file_dtype(flux_sd):
         assert layer.weight.dtype == file_dtype  # the source is left as it is
         out = run(demoted)
         layer.weight = torch.nn.Parameter(copied.detach().clone(), requires_grad=False)
-        assert torch.equal(out, run(stock))
+        assert sqnr_db(run(stock), out) > 60  # as in the test above
     finally:
         layer.weight = original
 
