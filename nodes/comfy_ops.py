@@ -62,6 +62,8 @@ FORMAT_ATTR = "lowbit_format"
 CONFIG_ATTR = "lowbit_config"
 RUNNER_ATTR = "_lowbit_runner"  # (weakref to the weight, device, in_features, input_scale, runner or None)
 PRE_QUANT_SCALE = "pre_quant_scale"  # as quant.calibration_pre_quant and ComfyUI name it
+#: where ModelPatcherDynamic leaves a patched module's pending weight patch (comfy.ops' vbar cast applies it)
+LOWVRAM_PATCH_ATTR = "weight_lowvram_function"
 #: tensors a LowBit layer may carry next to its codec's own
 EXTRA_LAYER_TENSORS = ("input_scale", PRE_QUANT_SCALE)
 
@@ -163,6 +165,37 @@ def _run_every_op() -> None:
         hook()
 
 
+def _in_original_space(weight: torch.Tensor, scale: torch.Tensor, functions) -> torch.Tensor:
+    """``functions`` (weight patches) applied to ``weight * scale`` and the result divided back by ``scale``."""
+    s = scale.to(device=weight.device, dtype=torch.float32)
+    out = weight.float() * s
+    for f in functions:
+        out = f(out)
+    return (out.float() / s).to(weight.dtype)
+
+
+class LowVramPatchInOriginalSpace:
+    """A Dynamic-VRAM ``LowVramPatch`` that patches ``weight * pre_quant_scale`` and divides back.
+
+    Put in the module's ``weight_lowvram_function`` only while LowBit casts the layer. ComfyUI's vbar
+    cast also prefetches and pins the patch's own tensors (LoRA factors) through this object: every
+    attribute but the call is the wrapped patch's, and the pinned-copy record ``_pins`` is the wrapped
+    patch's dict, so a wrapper made for one cast never pins a second copy of the factors.
+    """
+
+    is_lowvram_patch = True
+
+    def __init__(self, patch, scale: torch.Tensor):
+        self.__dict__["_pins"] = patch.__dict__.setdefault("_pins", {})
+        self.patch, self.scale = patch, scale
+
+    def __getattr__(self, name):  # only for names not set here: the patch's key, pin state, prepare...
+        return getattr(self.__dict__["patch"], name)
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return _in_original_space(weight, self.scale, (self.patch,))
+
+
 class LowBitLinearMixin:
     """LowBit's forward, weight-patch hooks, state dict and device moves for a ComfyUI Linear.
 
@@ -241,9 +274,10 @@ class LowBitLinearMixin:
         # Same cast as ComfyUI's weight-only-quant path: keep the weight's own dtype so the
         # QuantizedTensor moves to the device still quantized; want_requant keeps a Dynamic-VRAM
         # layer quantized when a LoRA is patched in while it streams.
-        weight, bias, offload_stream = comfy.ops.cast_bias_weight(
-            self, input=None, dtype=self.weight.dtype, device=input.device, bias_dtype=input.dtype,
-            offloadable=True, compute_dtype=input.dtype, want_requant=True)
+        with self._lowbit_patches_in_original_space():
+            weight, bias, offload_stream = comfy.ops.cast_bias_weight(
+                self, input=None, dtype=self.weight.dtype, device=input.device, bias_dtype=input.dtype,
+                offloadable=True, compute_dtype=input.dtype, want_requant=True)
         try:
             if not isinstance(weight, QuantizedTensor):  # ComfyUI dequantized it (CPU-side Dynamic VRAM)
                 return torch.nn.functional.linear(input, weight.to(input.dtype), bias)
@@ -272,26 +306,30 @@ class LowBitLinearMixin:
 
     @contextlib.contextmanager
     def _lowbit_patches_in_original_space(self):
-        """While casting, run the pending weight functions (LoRA) on ``weight * pre_quant_scale``, the
-        space their deltas are in, and divide the result back to the stored (smoothed) space."""
+        """While casting, run the pending weight patches (LoRA) on ``weight * pre_quant_scale``, the
+        space their deltas are in, and divide the result back to the stored (smoothed) space.
+
+        Two kinds of pending patch reach ``comfy.ops.cast_bias_weight``: ``weight_function`` (the
+        regular patcher's low-VRAM patches, weight wrappers) and, under Dynamic VRAM,
+        ``weight_lowvram_function`` (the ``LowVramPatch`` that ``ModelPatcherDynamic.load`` leaves on
+        every patched module; its vbar cast applies it to the streamed weight and requantizes).
+        """
         scale = self._parameters.get(PRE_QUANT_SCALE)
         functions = self.weight_function
-        if scale is None or not functions:
+        lowvram = self.__dict__.get(LOWVRAM_PATCH_ATTR)
+        if scale is None or (not functions and lowvram is None):
             yield
             return
-
-        def in_original_space(weight):
-            s = scale.to(device=weight.device, dtype=torch.float32)
-            out = weight.float() * s
-            for f in functions:
-                out = f(out)
-            return (out.float() / s).to(weight.dtype)
-
-        self.weight_function = [in_original_space]
+        if functions:
+            self.weight_function = [lambda weight: _in_original_space(weight, scale, functions)]
+        if lowvram is not None:
+            self.__dict__[LOWVRAM_PATCH_ATTR] = LowVramPatchInOriginalSpace(lowvram, scale)
         try:
             yield
         finally:
             self.weight_function = functions
+            if lowvram is not None:
+                self.__dict__[LOWVRAM_PATCH_ATTR] = lowvram
 
     # ---- weight patches (ModelPatcher.patch_weight_to_device uses convert_/set_weight) -------
     def convert_weight(self, weight, inplace=False, **kwargs):

@@ -21,7 +21,6 @@ path; the bytes land in the fake allocation).
 
 from __future__ import annotations
 
-import itertools
 import sys
 from pathlib import Path
 
@@ -35,15 +34,10 @@ from lora_helpers import base_weight, random_lora  # noqa: E402
 
 require_comfy()
 
-import comfy.cli_args  # noqa: E402
 import comfy.memory_management  # noqa: E402
-import comfy.model_patcher  # noqa: E402
-import comfy.ops  # noqa: E402
-import comfy.utils  # noqa: E402
-import comfy_aimdo.host_buffer  # noqa: E402
-import comfy_aimdo.model_vbar  # noqa: E402
-import comfy_aimdo.torch  # noqa: E402
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
+from lora_dvram_helpers import LOAD_DEVICE, DynamicPatcher, fake_aimdo, release, switch_to  # noqa: E402, F401
+from lora_dvram_helpers import cast as _cast, module_at as _module  # noqa: E402
 
 from lowbit.lora.stochastic import merge_deltas  # noqa: E402
 from lowbit.lora.twin import module_twin  # noqa: E402
@@ -52,88 +46,18 @@ from lowbit.nodes.lora_nodes import LoraEntry, apply_lora_stack  # noqa: E402
 from lowbit.quant.formats import FORMATS  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
-LOAD_DEVICE = torch.device("cpu", 0)  # not == torch.device("cpu"): ComfyUI gives it a vbar
-CAST_DEVICE = torch.device("meta")  # any device but the weights' own sends cast_bias_weight down the vbar path
 LAYER = "double_blocks.0.img_mlp.0"
 QKV = "double_blocks.0.img_attn.qkv"
 PREFIX = f"lora_unet_{LAYER.replace('.', '_')}"
-
-
-# ---- comfy-aimdo's allocator, faked ---------------------------------------------------------------
-
-class _Allocation:
-    """One module's VRAM allocation: bytes, and the signature of its current residency (None: evicted)."""
-
-    def __init__(self, size: int):
-        self.buffer = torch.zeros(size, dtype=torch.uint8)
-        self.signature = None
-
-
-class _FakeVBAR:
-    _signatures = itertools.count(1)
-
-    def __init__(self, size, device_index):
-        self.allocations: list[_Allocation] = []
-
-    def prioritize(self):
-        pass
-
-    def alloc(self, size):
-        self.allocations.append(_Allocation(int(size)))
-        return self.allocations[-1]
-
-    def loaded_size(self):
-        return sum(a.buffer.numel() for a in self.allocations if a.signature is not None)
-
-    def free_memory(self, size):
-        freed = self.loaded_size()
-        for allocation in self.allocations:
-            allocation.signature = None
-        return freed
-
-
-def _fault(allocation):  # page the allocation in; a page faulted in afresh gets a new signature
-    if allocation.signature is None:
-        allocation.signature = next(_FakeVBAR._signatures)
-    return allocation.signature
-
-
-class _FakeHostBuffer:
-    def __init__(self, *args, **kwargs):
-        self.size = 0
-
-    def truncate(self, offset, do_unregister=False):
-        self.size = offset
-
-
-class _DynamicPatcher(comfy.model_patcher.ModelPatcherDynamic):
-    """ModelPatcherDynamic itself; only its ``__new__`` no longer turns a CPU load device into a ModelPatcher."""
-
-    def __new__(cls, *args, **kwargs):
-        return object.__new__(cls)
-
-
-@pytest.fixture
-def fake_aimdo(monkeypatch):
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "ModelVBAR", _FakeVBAR)
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_fault", _fault)
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_signature_compare", lambda new, old: new is not None and new == old)
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_unpin", lambda allocation: None)
-    monkeypatch.setattr(comfy_aimdo.torch, "aimdo_to_tensor", lambda allocation, device: allocation.buffer)
-    monkeypatch.setattr(comfy_aimdo.host_buffer, "HostBuffer", _FakeHostBuffer)
-    monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", True)
 
 
 @pytest.fixture
 def base(fake_aimdo):
     """A Dynamic-VRAM patcher of its own copy of the quantized tiny Flux (its modules gather vbar state)."""
     quantized = apply_policy(load_stock(tiny_flux_bf16()), Policy(mode="int8_convrot"))
-    patcher = _DynamicPatcher(quantized.model, LOAD_DEVICE, torch.device("cpu"), size=quantized.model_size())
+    patcher = DynamicPatcher(quantized.model, LOAD_DEVICE, torch.device("cpu"), size=quantized.model_size())
     yield patcher
-    loaded = _LOADED.pop(patcher.model, None)
-    if loaded is not None:
-        loaded.detach(unpatch_all=False)  # its stacks ejected while the fakes are still in place
-    patcher.model.dynamic_patchers.clear()  # no patcher of this model unpins anything when collected
+    release(patcher)
 
 
 @pytest.fixture(scope="module")
@@ -162,36 +86,6 @@ def lora_files(tmp_path_factory):
     return lambda *names: [LoraEntry(name, str(root / f"{name}.safetensors"), 1.0) for name in names]
 
 
-# ---- what ComfyUI does ----------------------------------------------------------------------------
-
-_LOADED: dict = {}  # model -> the patcher of it last loaded
-
-
-def _switch_to(patcher, previous=None):
-    """What ``load_models_gpu`` does when a clone replaces another on the device: detach the other without
-    unpatching it, then ``partially_load`` this one."""
-    if previous is not None:
-        previous.detach(unpatch_all=False)
-    patcher.partially_load(LOAD_DEVICE, 1e32)
-    _LOADED[patcher.model] = patcher
-
-
-def _module(patcher, layer):
-    return comfy.utils.get_attr(patcher.model, f"diffusion_model.{layer}")
-
-
-def _cast(patcher, layer) -> torch.Tensor:
-    """The weight the layer runs with: ComfyUI's cast of it, as LowBit's quantized forward asks for it."""
-    module = _module(patcher, layer)
-    assert hasattr(module, "_v"), f"{layer} is not streamed through the vbar; the test would not test it"
-    weight, bias, stream = comfy.ops.cast_bias_weight(
-        module, input=None, dtype=module.weight.dtype, device=CAST_DEVICE, bias_dtype=torch.bfloat16,
-        offloadable=True, compute_dtype=torch.bfloat16, want_requant=True)
-    comfy.ops.uncast_bias_weight(module, weight, bias, stream)
-    assert isinstance(weight, QuantizedTensor)
-    return weight.dequantize().float().clone()
-
-
 def _stored(patcher, layer) -> torch.Tensor:
     """The weight the module in the model holds now (what the non-dynamic path runs)."""
     return _module(patcher, layer).weight.dequantize().float().clone()
@@ -207,10 +101,10 @@ def _stored(patcher, layer) -> torch.Tensor:
 def test_merged_weights_are_what_runs_after_the_base_model_ran(base, lora_files, mode, names, layers):
     """The base model runs first (its weights become resident), then the LoRA'd clone, then the base again:
     each cast returns that patcher's weights, resident or re-faulted after an eviction."""
-    _switch_to(base)
+    switch_to(base)
     base_weights = {layer: _cast(base, layer) for layer in layers}
     patched, _ = apply_lora_stack(base, lora_files(*names), mode, seed=1)
-    _switch_to(patched, base)
+    switch_to(patched, base)
     for layer in layers:
         merged = _stored(patched, layer)
         assert not torch.equal(merged, base_weights[layer]), "the merge changed nothing; the test would not test it"
@@ -218,7 +112,7 @@ def test_merged_weights_are_what_runs_after_the_base_model_ran(base, lora_files,
         assert torch.equal(_cast(patched, layer), merged), (layer, "second (resident) cast")
     patched.partially_unload(None, 1e32)  # evicted: the next cast faults the allocation in again
     assert all(torch.equal(_cast(patched, layer), _stored(patched, layer)) for layer in layers)
-    _switch_to(base, patched)
+    switch_to(base, patched)
     for layer in layers:
         assert torch.equal(_cast(base, layer), base_weights[layer]), (layer, "the merge leaked into the base model")
 
@@ -226,18 +120,18 @@ def test_merged_weights_are_what_runs_after_the_base_model_ran(base, lora_files,
 def test_each_patcher_streams_its_layers_through_its_own_modules(base, lora_files):
     """Per module object caches: the merged layer is another module than the base model's, streamed through
     its own vbar allocation; layers no merge touches stay the base model's modules."""
-    _switch_to(base)
+    switch_to(base)
     untouched = "double_blocks.1.img_mlp.0"
     base_module, base_other = _module(base, LAYER), _module(base, untouched)
     base_weight = base_module.weight
     _cast(base, LAYER)
     patched, _ = apply_lora_stack(base, lora_files("lowrank"), "stochastic", seed=1)
-    _switch_to(patched, base)
+    switch_to(patched, base)
     twin = _module(patched, LAYER)
     assert twin is not base_module and twin._v is not base_module._v
     assert twin.weight is not base_weight and base_module.weight is base_weight  # the base module is never written
     assert _module(patched, untouched) is base_other
-    _switch_to(base, patched)
+    switch_to(base, patched)
     assert _module(base, LAYER) is base_module
 
 
@@ -245,15 +139,15 @@ def test_dynamic_bypass_hooks_land_on_the_module_that_runs(base, lora_files):
     """ComfyUI's bypass forward (LoHa in dynamic mode) replaces a module's ``forward``: it must hook the module
     that is in the model when the stack's patcher runs - the DoRA merge's own module when both change one
     layer, the base model's even while another stack's merged modules are in the model."""
-    _switch_to(base)
+    switch_to(base)
     merged, _ = apply_lora_stack(base, lora_files("lowrank"), "stochastic", seed=1)
-    _switch_to(merged, base)  # another stack's merged module is in the model while the next stack is applied
+    switch_to(merged, base)  # another stack's merged module is in the model while the next stack is applied
     for names in (("loha",), ("dora", "loha")):
         patched, _ = apply_lora_stack(base, lora_files(*names), "dynamic", seed=1)
-        _switch_to(patched, merged)
+        switch_to(patched, merged)
         hook = getattr(_module(patched, LAYER).forward, "__self__", None)
         assert type(hook).__name__ == "BypassForwardHook", (names, "the LoHa does not run")
-        _switch_to(merged, patched)
+        switch_to(merged, patched)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
