@@ -30,6 +30,7 @@ What the node does (each point is a fix for a way stock compile goes wrong on qu
 
 from __future__ import annotations
 
+import copy
 import logging
 import types
 import uuid
@@ -42,6 +43,7 @@ from comfy_api.latest import io
 from comfy_kitchen.tensor import QuantizedTensor
 
 from . import CATEGORY
+from ..quant.errors import LowBitError
 from .common import NodeInputError
 
 log = logging.getLogger(__name__)
@@ -284,7 +286,9 @@ def demoted_clone(model):
     if is_dynamic is None or not is_dynamic():
         return model.clone()
     if model_info(model) is None and getattr(model, "cached_patcher_init", None) is not None:
-        return model.clone(disable_dynamic=True)
+        rebuilt = model.clone(disable_dynamic=True)
+        rebind_lora_injections(model, rebuilt)
+        return rebuilt
     return non_dynamic_copy(model)
 
 
@@ -303,6 +307,7 @@ def non_dynamic_copy(model):
     ensure_unpatched(model, offloaded=True)
     source = model.model
     new_model = copy_model(source, model.offload_device)
+    _drop_foreign_forwards(new_model)
     cast = _cast_to_model_dtypes(new_model)
     info = getattr(source, INFO_ATTR, None)
     if info is not None:
@@ -312,9 +317,151 @@ def non_dynamic_copy(model):
     demoted.clone_base_uuid = uuid.uuid4()
     demoted.size = 0
     demoted.hook_backup = {}
+    rebind_lora_injections(model, demoted)
     log.info("LowBit compile: %s leaves Dynamic VRAM as a regular copy sharing its weights (%d weights cast to "
              "the model dtype)", type(source).__name__, cast)
     return demoted
+
+
+class LoraRebindError(LowBitError):
+    """A LowBit LoRA stack on a model leaving Dynamic VRAM holds something the compile node cannot move."""
+
+
+def rebind_lora_injections(source, demoted) -> int:
+    """Point the LowBit LoRA stacks ``demoted`` inherited from ``source`` at ``demoted``'s own modules.
+
+    A stack's appliers hold the module tree they were applied to: Dynamic banks hook
+    ``DynamicLoras.root``'s layers, Stochastic (and Dynamic's DoRA) merges swap weights under
+    ``StochasticMerge.root``, and ComfyUI's bypass hooks (LoHa, LoKr, diffs) each hold one module
+    object. ``clone()`` copies the injection list, not what it points at, so a demoted model with a
+    module tree of its own (the copy, or stock's rebuild) would inject the LoRA into ``source``'s
+    modules and run without it. Each applier is copied with those references replaced by the same
+    paths resolved in ``demoted`` (its object patches first, as ComfyUI's ``get_model_object`` does);
+    the banks, deltas and adapters are shared, not copied. ComfyUI weight patches (Standard mode) are
+    keyed by name and need nothing. Returns how many appliers were rebound.
+    """
+    from .lora_nodes import INJECTION_KEY
+
+    if demoted.model is source.model:
+        return 0
+    demoted.is_injected = False  # its modules are not hooked yet, whatever the source's state
+    _copy_module_object_patches(demoted)
+    injections = demoted.injections.get(INJECTION_KEY)
+    others = sorted(k for k in demoted.injections if k != INJECTION_KEY)
+    if others:
+        log.warning("LowBit compile: injections %s are carried to the model leaving Dynamic VRAM as they are; "
+                    "any module they hold is the Dynamic VRAM model's, not the compiled one's", ", ".join(others))
+    if not injections:
+        return 0
+    paths = _module_paths(source)
+    rebound = []
+    count = 0
+    for injection in injections:
+        new = copy.copy(injection)
+        new.appliers = tuple(_rebound_applier(applier, paths, demoted) for applier in injection.appliers)
+        count += len(new.appliers)
+        rebound.append(new)
+    demoted.set_injections(INJECTION_KEY, rebound)
+    log.info("LowBit compile: %d LoRA stack(s) rebound to the model leaving Dynamic VRAM", count)
+    return count
+
+
+def _copy_module_object_patches(demoted) -> None:
+    """Module-valued object patches (LoRA merge twins) become copies without Dynamic VRAM state: the
+    source patcher's loads gave the twins it installed their own vbar allocation (``_v``) and cast flags,
+    which the demoted model would otherwise stream its merged weights through (stale, and untraceable)."""
+    from .model_quant import copy_model
+
+    for path, value in list(demoted.object_patches.items()):
+        if isinstance(value, torch.nn.Module):
+            module = copy_model(value)
+            _drop_foreign_forwards(module)
+            _cast_to_model_dtypes(module)
+            demoted.object_patches[path] = module
+
+
+def _module_paths(patcher) -> dict[int, str]:
+    """``id(module) -> path`` for every module ``patcher``'s LoRA appliers may hold: its model's, its
+    object patches (merge twins) and the modules those patches replace."""
+    paths = {id(module): name for name, module in patcher.model.named_modules()}
+    for table in (patcher.object_patches_backup, patcher.object_patches):
+        for name, value in table.items():
+            if isinstance(value, torch.nn.Module):
+                paths[id(value)] = name
+    return paths
+
+
+def _rebound_applier(applier, paths: dict[int, str], demoted):
+    from ..lora.attach import DynamicLoras, StochasticMerge
+
+    new = copy.copy(applier)
+    for name, value in vars(applier).items():
+        if isinstance(value, DynamicLoras):
+            loras = copy.copy(value)
+            loras.root, loras._handles = demoted.model, []  # banks and strengths shared
+            setattr(new, name, loras)
+        elif isinstance(value, StochasticMerge):
+            merge = copy.copy(value)
+            merge.root, merge._originals, merge._kept = demoted.model, {}, {}
+            setattr(new, name, merge)
+        elif name == "bypass":
+            setattr(new, name, [_rebound_bypass(injection, paths, demoted) for injection in value])
+        elif isinstance(value, torch.nn.Module):
+            raise LoraRebindError(f"LoRA applier {type(applier).__name__}.{name} holds a module the compile node "
+                                  f"does not know how to move to the model leaving Dynamic VRAM; expected only "
+                                  f"DynamicLoras, StochasticMerge and bypass injections; fix: teach "
+                                  f"nodes/compile.py's rebind_lora_injections about it")
+    return new
+
+
+def _rebound_bypass(injection, paths: dict[int, str], demoted):
+    """A copy of one bypass injection (``lora_nodes._bypass_injections``) whose hooks wrap ``demoted``'s modules."""
+    from comfy.patcher_extension import PatcherInjection
+    from comfy.weight_adapter.bypass import BypassForwardHook
+
+    hooks = _closure_value(injection.inject, "hooks")
+    if hooks is None or not all(isinstance(h, BypassForwardHook) for h in hooks):
+        raise LoraRebindError("a LowBit LoRA bypass injection no longer keeps its BypassForwardHooks in a closure "
+                              "variable 'hooks' (found none); expected lora_nodes._bypass_injections' layout; fix: "
+                              "update nodes/compile.py's _rebound_bypass with it")
+    new_hooks = []
+    for hook in hooks:
+        path = paths.get(id(hook.module))
+        if path is None:
+            raise LoraRebindError(f"a LoRA bypass hook wraps a {type(hook.module).__name__} that is neither in the "
+                                  f"model nor one of its object patches; expected a module of the model; fix: apply "
+                                  f"the LoRA to the model given to the compile node")
+        new_hooks.append(BypassForwardHook(demoted.get_model_object(path), hook.adapter, multiplier=hook.multiplier))
+
+    def inject(_patcher) -> None:
+        for hook in new_hooks:
+            hook.inject()
+
+    def eject(_patcher) -> None:
+        for hook in reversed(new_hooks):
+            hook.eject()
+
+    return PatcherInjection(inject=inject, eject=eject)
+
+
+def _closure_value(fn, name: str):
+    code = getattr(fn, "__code__", None)
+    if code is None or name not in code.co_freevars:
+        return None
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def _drop_foreign_forwards(model: torch.nn.Module) -> int:
+    """Remove instance-level ``forward``s that run another object's code than the module's own: ComfyUI's
+    bypass hook leaves the source module's bound ``forward`` on its instance when it ejects, and a copy
+    of that module would otherwise run the *source* module (its Dynamic VRAM cast included) forever."""
+    count = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if forward is not None and getattr(forward, "__self__", module) is not module:
+            del module.__dict__["forward"]
+            count += 1
+    return count
 
 
 def _cast_to_model_dtypes(model: torch.nn.Module) -> int:
@@ -396,6 +543,6 @@ class LowBitCompileQuantizedModel(io.ComfyNode):
         return io.NodeOutput(compile_model(model, settings))
 
 
-__all__ = ["CompileSettings", "CompileState", "CompileWrapper", "LowBitCompileQuantizedModel", "compile_model",
-           "compile_wrapper", "compiled_forward", "demoted_clone", "mark_dynamic_dims", "non_dynamic_copy",
-           "repeated_blocks", "skip_transformer_options_guards"]
+__all__ = ["CompileSettings", "CompileState", "CompileWrapper", "LoraRebindError", "LowBitCompileQuantizedModel",
+           "compile_model", "compile_wrapper", "compiled_forward", "demoted_clone", "mark_dynamic_dims",
+           "non_dynamic_copy", "rebind_lora_injections", "repeated_blocks", "skip_transformer_options_guards"]
