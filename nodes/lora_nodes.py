@@ -361,15 +361,51 @@ def _twin_layers(patcher, weight_keys) -> None:
     model has run. The patcher puts its object patches in the model before it loads, so the twin gets its
     own caches, filled from the merged weight the injection swaps into it; other patchers of the model
     load the base model's modules again. Without Dynamic VRAM the merge goes into the model's modules."""
+    import comfy.patcher_extension
     import comfy.utils
 
+    twins = []
     for key in weight_keys:
         path = key[: -len(".weight")]
         # the base model's module: the model's, or the one kept aside while some clone's object patch is in
         source = patcher.object_patches_backup.get(path)
         if source is None:
             source = comfy.utils.get_attr(patcher.model, path)
-        patcher.add_object_patch(path, module_twin(source))
+        twins.append(module_twin(source))
+        patcher.add_object_patch(path, twins[-1])
+    if twins:
+        patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, INJECTION_KEY,
+                                      lambda detached, unpatch_all: _release_pins(detached, twins))
+
+
+#: the pin subsets of ComfyUI's Dynamic VRAM a module's weight is pinned in (``comfy/pinned_memory.py``)
+WEIGHT_PIN_SUBSETS = ("weights", "weights-loaded")
+
+
+def _release_pins(patcher, twins) -> None:
+    """Give back the pinned host copies of ``twins`` (the layers a stack's patcher merged) when it detaches.
+
+    Dynamic VRAM pins a module's weight the first time it is cast and keeps the module in a per-model
+    stack of pins (``model.dynamic_pins``) that only shrinks from the top (``partially_unload_ram``), by
+    RAM pressure, or when the last patcher of the model goes. Twins are new module objects per stack:
+    left there, every replaced stack's twins - their pinned copy of the merged layers, the twins themselves
+    - would stay for as long as the base model lives (RSS growing with every strength change). So when
+    the patcher that runs them detaches (another model or stack is loaded, or it is garbage), the stack is
+    unwound down to its lowest twin with ComfyUI's own ``partially_unload_ram``; any other module unwound
+    with it (normally none: the base model's layers were pinned before any stack's) pins again the next
+    time it runs, and so do the twins if this patcher is loaded again.
+    """
+    pin_state = getattr(patcher.model, "dynamic_pins", {}).get(patcher.load_device)
+    if pin_state is None:
+        return
+    ids = {id(twin) for twin in twins}
+    for subset in WEIGHT_PIN_SUBSETS:
+        stack = pin_state[subset][1]
+        lowest = next((i for i, (module, _) in enumerate(stack) if id(module) in ids), None)
+        if lowest is None:
+            continue
+        size = sum(module._pins[subset]["pin"].nbytes for module, _ in stack[lowest:])
+        patcher.partially_unload_ram(size, subsets=[subset])
 
 
 def _dynamic_applier(patcher, info: _ModelKeys, active, files, position: int, seed: int):
