@@ -100,7 +100,8 @@ class _DynamicPatcher(comfy.model_patcher.ModelPatcherDynamic):
 def fake_aimdo(monkeypatch):
     monkeypatch.setattr(comfy_aimdo.model_vbar, "ModelVBAR", _FakeVBAR)
     monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_fault", _fault)
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_signature_compare", lambda new, old: new is not None and new == old)
+    monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_signature_compare",
+                        lambda new, old: new is not None and new == old)
     monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_unpin", lambda allocation: None)
     monkeypatch.setattr(comfy_aimdo.torch, "aimdo_to_tensor", lambda allocation, device: allocation.buffer)
     monkeypatch.setattr(comfy_aimdo.host_buffer, "HostBuffer", _FakeHostBuffer)
