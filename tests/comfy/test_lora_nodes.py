@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from comfy_helpers import comfy_nodes, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
+from comfy_helpers import comfy_nodes, on_cuda, require_comfy, run_flux, sqnr_db, tiny_flux_bf16
 
 require_comfy()
 
@@ -294,13 +294,25 @@ def test_twenty_swaps_keep_resident_memory_flat(comfy_env, mode):
     assert growth < 0.05, f"{mode}: RSS grew {growth:.1%} over 20 swaps"
 
 
+#: how far below the LoRA's effect the Dynamic-vs-Stochastic disagreement must be for the two weak LoRAs of
+#: the composed workflow: their change is 28.4-28.5 dB (CPU and H200), and the two modes then differ by
+#: Stochastic's fresh rounding of the merged INT8 layers run through the device's INT8 kernel (per-token
+#: activation quantization) against Dynamic's exact float term: measured 12.2 dB below the effect on the
+#: CPU, 9.8 dB on an H200 (the GPU kernel's own rounding floor, ~38 dB of the output here). Losing the LoRA
+#: in either mode puts the disagreement at the effect itself (0 dB).
+COMPOSED_AGREEMENT_MARGIN_DB = 8.0 if on_cuda() else 10.0
+
+
 def test_after_quantize_model_on_top_of_a_stock_lora(comfy_env):
-    """Stock Load Diffusion Model -> stock LoRA -> Quantize Model -> Apply LoRA Stack (dynamic and stochastic)."""
+    """Stock Load Diffusion Model -> stock LoRA -> Quantize Model -> Apply LoRA Stack (dynamic and stochastic).
+    The stock LoRA is baked in fp32 before quantizing (nodes/model_quant.py), so both modes start from one
+    quantized model; see COMPOSED_AGREEMENT_MARGIN_DB for the bound."""
     for mode in ("dynamic", "stochastic"):
         run(comfy_env, workflow(mode, [1.0, 1.0], label=f"composed-{mode}", base="stock"))
     run(comfy_env, workflow("dynamic", [0.0, 0.0], label="composed-none", base="stock"))
     effect = sqnr_db(CAPTURED["composed-dynamic"], CAPTURED["composed-none"])
-    assert sqnr_db(CAPTURED["composed-dynamic"], CAPTURED["composed-stochastic"]) > effect + 10
+    agree = sqnr_db(CAPTURED["composed-dynamic"], CAPTURED["composed-stochastic"])
+    assert agree > effect + COMPOSED_AGREEMENT_MARGIN_DB, (agree, effect)
 
 
 def test_unmatched_keys_are_reported(comfy_env):
