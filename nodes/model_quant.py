@@ -57,7 +57,8 @@ INFO_ATTR = "lowbit_info"
 #: per-module attributes that only describe a model's current load state (never copied)
 #: (Dynamic VRAM's vbar allocation and pinned host buffers above all: sharing them corrupts both models)
 _RUNTIME_ATTRS = ("_v", "_v_signature", "_v_weight", "_v_bias", "_prefetch", "_pin_state", "_pins", "seed_key",
-                  "weight_lowvram_function", "bias_lowvram_function", "comfy_patched_weights")
+                  "weight_lowvram_function", "bias_lowvram_function", "comfy_patched_weights",
+                  "forward")  # an instance forward is a hook's leftover (a bypass eject), bound to the source module
 #: model-level load bookkeeping reset on a copy (ModelPatcher.__init__ recreates the dynamic ones);
 #: ``current_patcher`` is the patcher a sampler runs the model with (ModelPatcher.pre_run sets it, cleanup
 #: clears it; BaseModel.apply_model turns Dynamic VRAM prefetching on from it): a copy has none yet

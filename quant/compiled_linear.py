@@ -194,19 +194,19 @@ def _quantized_linear_fake(x, qdata, param_tensors, bias, input_scale, spec, bac
     return x.new_empty((*x.shape[:-1], parse_spec(spec).out_features))
 
 
-def _define():
-    # The package can be imported twice under different names (``lowbit`` and ComfyUI's custom-node
-    # module name): define the op once per process and reuse it.
+def _define(name: str, impl, fake):
+    """``torch.ops.lowbit.<name>``, defined with its fake once per process: the package can be imported
+    twice under different names (``lowbit`` and ComfyUI's custom-node module name)."""
     try:
-        return torch.ops.lowbit.quantized_linear
+        return getattr(torch.ops.lowbit, name)
     except (AttributeError, RuntimeError):
         pass
-    op = torch.library.custom_op("lowbit::quantized_linear", _quantized_linear_impl, mutates_args=())
-    op.register_fake(_quantized_linear_fake)
-    return torch.ops.lowbit.quantized_linear
+    op = torch.library.custom_op(f"lowbit::{name}", impl, mutates_args=())
+    op.register_fake(fake)
+    return getattr(torch.ops.lowbit, name)
 
 
-quantized_linear_op = _define()
+quantized_linear_op = _define("quantized_linear", _quantized_linear_impl, _quantized_linear_fake)
 
 
 # ---- dequantize, as an op -----------------------------------------------------------------------------
@@ -224,17 +224,7 @@ def _dequantize_weight_fake(qdata, param_tensors, spec):
     return qdata.new_empty(tuple(values["orig_shape"]), dtype=values["orig_dtype"])
 
 
-def _define_dequantize():
-    try:
-        return torch.ops.lowbit.dequantize_weight
-    except (AttributeError, RuntimeError):
-        pass
-    op = torch.library.custom_op("lowbit::dequantize_weight", _dequantize_weight_impl, mutates_args=())
-    op.register_fake(_dequantize_weight_fake)
-    return torch.ops.lowbit.dequantize_weight
-
-
-dequantize_weight_op = _define_dequantize()
+dequantize_weight_op = _define("dequantize_weight", _dequantize_weight_impl, _dequantize_weight_fake)
 
 
 def dequantize_weight(format_name: str, weight: QuantizedTensor) -> torch.Tensor:
