@@ -6,14 +6,13 @@ stack is an injection whose appliers hold the module tree it was applied to (Dyn
 ``DynamicLoras.root``'s layers, merges swap weights under ``StochasticMerge.root``, bypass hooks hold
 one module each): carried over as is, the copy injected the LoRA into the Dynamic VRAM model's
 modules and ran without it (an H200 run: compiled output = the no-LoRA output). These tests run
-ComfyUI's real ``ModelPatcherDynamic`` with comfy-aimdo's allocator faked (as
-``tests/test_lora_dynamic_vram.py`` does), demote a LoRA'd clone of it and compare the demoted model
+ComfyUI's real ``ModelPatcherDynamic`` with comfy-aimdo's allocator faked
+(``tests/lora_dvram_helpers.py``), demote a LoRA'd clone of it and compare the demoted model
 with the same quantized model, never under Dynamic VRAM, with the same stack.
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 from pathlib import Path
 
@@ -29,83 +28,15 @@ require_comfy()
 import comfy.cli_args  # noqa: E402
 import comfy.model_patcher  # noqa: E402
 import comfy.utils  # noqa: E402
-import comfy_aimdo.host_buffer  # noqa: E402
-import comfy_aimdo.model_vbar  # noqa: E402
-import comfy_aimdo.torch  # noqa: E402
 
+from lora_dvram_helpers import LOAD_DEVICE, DynamicPatcher as _DynamicPatcher, fake_aimdo  # noqa: E402, F401
 from lowbit.nodes.calibrate import apply_policy  # noqa: E402
 from lowbit.nodes.compile import demoted_clone, rebind_lora_injections  # noqa: E402
 from lowbit.nodes.lora_nodes import INJECTION_KEY, LoraEntry, apply_lora_stack  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 POLICY = Policy(mode="int8_convrot")
-LOAD_DEVICE = torch.device("cpu", 0)  # not == torch.device("cpu"): ComfyUI gives it a vbar
 LAYER = "double_blocks.0.img_mlp.0"
-
-
-# ---- comfy-aimdo's allocator, faked (a VRAM allocation is a CPU byte buffer with a residency signature) ----
-
-class _Allocation:
-    def __init__(self, size: int):
-        self.buffer = torch.zeros(size, dtype=torch.uint8)
-        self.signature = None
-
-
-class _FakeVBAR:
-    def __init__(self, size, device_index):
-        self.allocations: list[_Allocation] = []
-
-    def prioritize(self):
-        pass
-
-    def alloc(self, size):
-        self.allocations.append(_Allocation(int(size)))
-        return self.allocations[-1]
-
-    def loaded_size(self):
-        return sum(a.buffer.numel() for a in self.allocations if a.signature is not None)
-
-    def free_memory(self, size):
-        freed = self.loaded_size()
-        for allocation in self.allocations:
-            allocation.signature = None
-        return freed
-
-
-_SIGNATURES = itertools.count(1)
-
-
-def _fault(allocation):
-    if allocation.signature is None:
-        allocation.signature = next(_SIGNATURES)
-    return allocation.signature
-
-
-class _FakeHostBuffer:
-    def __init__(self, *args, **kwargs):
-        self.size = 0
-
-    def truncate(self, offset, do_unregister=False):
-        self.size = offset
-
-
-class _DynamicPatcher(comfy.model_patcher.ModelPatcherDynamic):
-    """ModelPatcherDynamic itself; only its ``__new__`` no longer turns a CPU load device into a ModelPatcher."""
-
-    def __new__(cls, *args, **kwargs):
-        return object.__new__(cls)
-
-
-@pytest.fixture
-def fake_aimdo(monkeypatch):
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "ModelVBAR", _FakeVBAR)
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_fault", _fault)
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_signature_compare",
-                        lambda new, old: new is not None and new == old)
-    monkeypatch.setattr(comfy_aimdo.model_vbar, "vbar_unpin", lambda allocation: None)
-    monkeypatch.setattr(comfy_aimdo.torch, "aimdo_to_tensor", lambda allocation, device: allocation.buffer)
-    monkeypatch.setattr(comfy_aimdo.host_buffer, "HostBuffer", _FakeHostBuffer)
-    monkeypatch.setattr(comfy.cli_args.args, "disable_pinned_memory", True)
 
 
 @pytest.fixture(scope="module")
