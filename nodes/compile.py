@@ -416,8 +416,9 @@ def _rebound_applier(applier, paths: dict[int, str], demoted):
 
 def _rebound_bypass(injection, paths: dict[int, str], demoted):
     """A copy of one bypass injection (``lora_nodes._bypass_injections``) whose hooks wrap ``demoted``'s modules."""
-    from comfy.patcher_extension import PatcherInjection
     from comfy.weight_adapter.bypass import BypassForwardHook
+
+    from .lora_nodes import hooks_injection
 
     hooks = _closure_value(injection.inject, "hooks")
     if hooks is None or not all(isinstance(h, BypassForwardHook) for h in hooks):
@@ -432,16 +433,7 @@ def _rebound_bypass(injection, paths: dict[int, str], demoted):
                                   f"model nor one of its object patches; expected a module of the model; fix: apply "
                                   f"the LoRA to the model given to the compile node")
         new_hooks.append(BypassForwardHook(demoted.get_model_object(path), hook.adapter, multiplier=hook.multiplier))
-
-    def inject(_patcher) -> None:
-        for hook in new_hooks:
-            hook.inject()
-
-    def eject(_patcher) -> None:
-        for hook in reversed(new_hooks):
-            hook.eject()
-
-    return PatcherInjection(inject=inject, eject=eject)
+    return hooks_injection(new_hooks)
 
 
 def _closure_value(fn, name: str):

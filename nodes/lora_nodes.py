@@ -464,7 +464,6 @@ def _bypass_injections(patcher, plan, files, shapes) -> tuple[list, list[LeftOut
     one module wrap each other: injected in order, ejected in reverse."""
     if not plan:
         return [], []
-    from comfy.patcher_extension import PatcherInjection
     from comfy.weight_adapter.bypass import BypassForwardHook
 
     hooks: list = []
@@ -487,6 +486,12 @@ def _bypass_injections(patcher, plan, files, shapes) -> tuple[list, list[LeftOut
             hooks.append(BypassForwardHook(patcher.get_model_object(path), adapter, multiplier=slot.strength))
     if not hooks:
         return [], left_out
+    return [hooks_injection(hooks)], left_out
+
+
+def hooks_injection(hooks: list):
+    """One ``PatcherInjection`` for ComfyUI bypass ``hooks``: injected in order, ejected in reverse."""
+    from comfy.patcher_extension import PatcherInjection
 
     def inject(_patcher) -> None:
         for hook in hooks:
@@ -496,7 +501,7 @@ def _bypass_injections(patcher, plan, files, shapes) -> tuple[list, list[LeftOut
         for hook in reversed(hooks):
             hook.eject()
 
-    return [PatcherInjection(inject=inject, eject=eject)], left_out
+    return PatcherInjection(inject=inject, eject=eject)
 
 
 class _DiffBypass:
