@@ -120,7 +120,7 @@ def host_cost(layer, device, calls: int = 300) -> dict:
                 layer(x)
             prof.disable()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+        pstats.Stats(prof, stream=text).strip_dirs().sort_stats("tottime").print_stats(15)
         out["cprofile"] = text.getvalue().splitlines()[-22:]
     return out
 
