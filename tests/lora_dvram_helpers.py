@@ -166,3 +166,32 @@ def cast(patcher, layer) -> torch.Tensor:
     comfy.ops.uncast_bias_weight(module, weight, bias, stream)
     assert isinstance(weight, QuantizedTensor)
     return weight.dequantize().float().clone()
+
+
+def adapter_lora_files(root, weight: torch.Tensor, layer: str, extra_lowrank=None):
+    """A plain LoRA, a LoHa and a DoRA on ``layer`` (float ``weight``) saved as bf16 files under ``root``;
+    returns ``entries(*names) -> [LoraEntry]``. ``extra_lowrank(r)`` adds tensors to the plain LoRA's file,
+    drawn from the same seeded generator ``r(*shape, scale=...)`` right after its own."""
+    from safetensors.torch import save_file
+
+    from lowbit.nodes.lora_nodes import LoraEntry
+
+    (n, k), s, gen = weight.shape, float(weight.std()), torch.Generator().manual_seed(0)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    prefix = f"lora_unet_{layer.replace('.', '_')}"
+    lowrank = {f"{prefix}.lora_down.weight": r(8, k) / k**0.5, f"{prefix}.lora_up.weight": r(n, 8, scale=0.5 * s)}
+    lowrank.update(extra_lowrank(r) if extra_lowrank else {})
+    files = {
+        "lowrank": lowrank,
+        "loha": {f"{prefix}.hada_w1_a": r(n, 4, scale=0.3), f"{prefix}.hada_w1_b": r(4, k, scale=0.3),
+                 f"{prefix}.hada_w2_a": r(n, 4, scale=0.3), f"{prefix}.hada_w2_b": r(4, k, scale=s),
+                 f"{prefix}.alpha": torch.tensor(4.0)},
+        "dora": {f"{prefix}.lora_down.weight": r(8, k) / k**0.5, f"{prefix}.lora_up.weight": r(n, 8, scale=0.5 * s),
+                 f"{prefix}.dora_scale": weight.norm(dim=1, keepdim=True) * 1.3},
+    }
+    for name, tensors in files.items():
+        save_file({key: v.to(torch.bfloat16).contiguous() for key, v in tensors.items()}, str(root / f"{name}.safetensors"))
+    return lambda *names: [LoraEntry(name, str(root / f"{name}.safetensors"), 1.0) for name in names]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "comfy"))
 from comfy_helpers import load_stock, require_comfy, run_flux, sqnr_db, tiny_flux_bf16  # noqa: E402
@@ -29,10 +28,10 @@ import comfy.cli_args  # noqa: E402
 import comfy.model_patcher  # noqa: E402
 import comfy.utils  # noqa: E402
 
-from lora_dvram_helpers import LOAD_DEVICE, DynamicPatcher as _DynamicPatcher, fake_aimdo  # noqa: E402, F401
+from lora_dvram_helpers import LOAD_DEVICE, DynamicPatcher as _DynamicPatcher, adapter_lora_files, fake_aimdo  # noqa: E402, F401
 from lowbit.nodes.calibrate import apply_policy  # noqa: E402
 from lowbit.nodes.compile import demoted_clone, rebind_lora_injections  # noqa: E402
-from lowbit.nodes.lora_nodes import INJECTION_KEY, LoraEntry, apply_lora_stack  # noqa: E402
+from lowbit.nodes.lora_nodes import INJECTION_KEY, apply_lora_stack  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 POLICY = Policy(mode="int8_convrot")
@@ -42,27 +41,8 @@ LAYER = "double_blocks.0.img_mlp.0"
 @pytest.fixture(scope="module")
 def lora_files(tmp_path_factory):
     """A plain LoRA, a LoHa (ComfyUI's bypass in dynamic mode) and a DoRA (merged in dynamic mode) on LAYER."""
-    sd = tiny_flux_bf16()
-    weight = sd[f"{LAYER}.weight"].float()
-    (n, k), s, gen = weight.shape, float(weight.std()), torch.Generator().manual_seed(0)
-
-    def r(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen) * scale
-
-    prefix = f"lora_unet_{LAYER.replace('.', '_')}"
-    files = {
-        "lowrank": {f"{prefix}.lora_down.weight": r(8, k) / k**0.5, f"{prefix}.lora_up.weight": r(n, 8, scale=0.5 * s)},
-        "loha": {f"{prefix}.hada_w1_a": r(n, 4, scale=0.3), f"{prefix}.hada_w1_b": r(4, k, scale=0.3),
-                 f"{prefix}.hada_w2_a": r(n, 4, scale=0.3), f"{prefix}.hada_w2_b": r(4, k, scale=s),
-                 f"{prefix}.alpha": torch.tensor(4.0)},
-        "dora": {f"{prefix}.lora_down.weight": r(8, k) / k**0.5, f"{prefix}.lora_up.weight": r(n, 8, scale=0.5 * s),
-                 f"{prefix}.dora_scale": weight.norm(dim=1, keepdim=True) * 1.3},
-    }
-    root = tmp_path_factory.mktemp("compile_dvram_loras")
-    for name, tensors in files.items():
-        save_file({key: v.to(torch.bfloat16).contiguous() for key, v in tensors.items()},
-                  str(root / f"{name}.safetensors"))
-    return lambda *names: [LoraEntry(name, str(root / f"{name}.safetensors"), 1.0) for name in names]
+    weight = tiny_flux_bf16()[f"{LAYER}.weight"].float()
+    return adapter_lora_files(tmp_path_factory.mktemp("compile_dvram_loras"), weight, LAYER)
 
 
 def _module(patcher, layer):

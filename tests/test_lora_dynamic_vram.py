@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "comfy"))
 from comfy_helpers import load_stock, require_comfy, tiny_flux_bf16  # noqa: E402
@@ -35,20 +34,18 @@ from lora_helpers import base_weight, random_lora  # noqa: E402
 require_comfy()
 
 import comfy.memory_management  # noqa: E402
-from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
-from lora_dvram_helpers import LOAD_DEVICE, DynamicPatcher, fake_aimdo, release, switch_to  # noqa: E402, F401
+from lora_dvram_helpers import LOAD_DEVICE, DynamicPatcher, adapter_lora_files, fake_aimdo, release, switch_to  # noqa: E402, F401
 from lora_dvram_helpers import cast as _cast, module_at as _module  # noqa: E402
 
 from lowbit.lora.stochastic import merge_deltas  # noqa: E402
 from lowbit.lora.twin import module_twin  # noqa: E402
 from lowbit.nodes.calibrate import apply_policy  # noqa: E402
-from lowbit.nodes.lora_nodes import LoraEntry, apply_lora_stack  # noqa: E402
+from lowbit.nodes.lora_nodes import apply_lora_stack  # noqa: E402
 from lowbit.quant.formats import FORMATS  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 LAYER = "double_blocks.0.img_mlp.0"
 QKV = "double_blocks.0.img_attn.qkv"
-PREFIX = f"lora_unet_{LAYER.replace('.', '_')}"
 
 
 @pytest.fixture
@@ -64,26 +61,13 @@ def base(fake_aimdo):
 def lora_files(tmp_path_factory):
     sd = tiny_flux_bf16()
     weight, qkv = sd[f"{LAYER}.weight"].float(), sd[f"{QKV}.weight"].float()
-    (n, k), s, gen = weight.shape, float(weight.std()), torch.Generator().manual_seed(0)
-
-    def r(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen) * scale
-
     qkv_prefix = f"lora_unet_{QKV.replace('.', '_')}"
-    files = {
-        "lowrank": {f"{PREFIX}.lora_down.weight": r(8, k) / k**0.5, f"{PREFIX}.lora_up.weight": r(n, 8, scale=0.5 * s),
-                    f"{qkv_prefix}.lora_down.weight": r(8, qkv.shape[1]) / 16,
-                    f"{qkv_prefix}.lora_up.weight": r(qkv.shape[0], 8, scale=0.5 * float(qkv.std()))},
-        "loha": {f"{PREFIX}.hada_w1_a": r(n, 4, scale=0.3), f"{PREFIX}.hada_w1_b": r(4, k, scale=0.3),
-                 f"{PREFIX}.hada_w2_a": r(n, 4, scale=0.3), f"{PREFIX}.hada_w2_b": r(4, k, scale=s),
-                 f"{PREFIX}.alpha": torch.tensor(4.0)},
-        "dora": {f"{PREFIX}.lora_down.weight": r(8, k) / k**0.5, f"{PREFIX}.lora_up.weight": r(n, 8, scale=0.5 * s),
-                 f"{PREFIX}.dora_scale": weight.norm(dim=1, keepdim=True) * 1.3},
-    }
-    root = tmp_path_factory.mktemp("dynamic_vram_loras")
-    for name, sd in files.items():
-        save_file({key: v.to(torch.bfloat16).contiguous() for key, v in sd.items()}, str(root / f"{name}.safetensors"))
-    return lambda *names: [LoraEntry(name, str(root / f"{name}.safetensors"), 1.0) for name in names]
+
+    def qkv_lora(r):
+        return {f"{qkv_prefix}.lora_down.weight": r(8, qkv.shape[1]) / 16,
+                f"{qkv_prefix}.lora_up.weight": r(qkv.shape[0], 8, scale=0.5 * float(qkv.std()))}
+
+    return adapter_lora_files(tmp_path_factory.mktemp("dynamic_vram_loras"), weight, LAYER, qkv_lora)
 
 
 def _stored(patcher, layer) -> torch.Tensor:
