@@ -18,6 +18,10 @@ inductor, dynamic token dimensions, at the first denoiser call):
   back to eager (the compiled numbers are then eager numbers);
 * speed-ups against compiled bf16 and eager bf16, and each output's error against eager bf16.
 
+A mode ending in ``+attn`` (``bf16+attn``, ``fp8_rowwise+attn``...) runs through the Attention Backend
+(LowBit) node (``--attention-backend``, default ``auto``); its row also has
+``speedup_vs_compiled_bf16_same_attention`` against ``bf16+attn`` when that was measured.
+
 Dynamo is reset before each mode (``--keep-dynamo`` does not), so each first compile costs what it costs
 in a fresh ComfyUI session (inductor's on-disk caches are kept: a second run of the script compiles faster).
 """
@@ -30,6 +34,7 @@ import sys
 import torch
 
 import bench_flux_step
+from bench_flux_step import ATTN_SUFFIX
 from gpu_bench_common import (common_args, denoiser_call, flux_inputs, free, grad_mode, peak_gb, rel_err, reset_peak,
                               setup, time_call, wall)
 
@@ -48,15 +53,21 @@ def measure_mode(mode: str, base, inputs, settings, device, a, report, refs: dic
     from lowbit.nodes.model_quant import quantize_model, quantized_layers
     from lowbit.quant.policy import Policy
 
+    from lowbit.kernels.attention import AttentionConfig
+    from lowbit.nodes.attention import apply_attention_backend, attention_override
+
     row = report["modes"].setdefault(mode, {})
     reset_peak(device)
+    fmt = mode[:-len(ATTN_SUFFIX)] if mode.endswith(ATTN_SUFFIX) else mode
     # The models are built/quantized on the device and never loaded through ComfyUI's model management:
     # a sampler's load would be a no-op for weights already there, and unloading would copy them to the host.
-    if mode == "bf16":
+    if fmt == "bf16":
         patcher = base
     else:
-        row["quantize_s"], patcher = wall(lambda: quantize_model(base, Policy(mode=mode)), device)
+        row["quantize_s"], patcher = wall(lambda: quantize_model(base, Policy(mode=fmt)), device)
         row["quantized_layers"] = len(quantized_layers(patcher))
+    if fmt != mode:
+        patcher = apply_attention_backend(patcher, AttentionConfig(backend=a.attention_backend))
     eager_s, eager_out = time_call(denoiser_call(patcher, inputs), device, a.iters, a.warmup)
     row["eager_step_ms"] = eager_s * 1e3
     if mode == "bf16":
@@ -85,12 +96,21 @@ def measure_mode(mode: str, base, inputs, settings, device, a, report, refs: dic
         row["speedup_vs_compiled_bf16"] = bf16["compiled_step_ms"] / row["compiled_step_ms"]
     if "eager_step_ms" in bf16:
         row["eager_speedup_vs_eager_bf16"] = bf16["eager_step_ms"] / row["eager_step_ms"]
+    same = report["modes"].get("bf16" + ATTN_SUFFIX, {})
+    if fmt != mode and fmt != "bf16":
+        if "compiled_step_ms" in same and not same.get("failure"):
+            row["speedup_vs_compiled_bf16_same_attention"] = same["compiled_step_ms"] / row["compiled_step_ms"]
+        if "eager_step_ms" in same:
+            row["eager_speedup_vs_eager_bf16_same_attention"] = same["eager_step_ms"] / row["eager_step_ms"]
+    if fmt != mode:
+        override = attention_override(patcher)
+        row["attention"] = {"decisions": override.chooser.report(), "calls": dict(override.chooser.calls)}
     del compiled, patcher
 
 
 def summarize(report) -> dict:
     rows = {m: r for m, r in report["modes"].items()
-            if m != "bf16" and "speedup_vs_compiled_bf16" in r and not r.get("failure")}
+            if not m.startswith("bf16") and "speedup_vs_compiled_bf16" in r and not r.get("failure")}
     if not rows:
         return {"best": None}
     best = max(rows, key=lambda m: rows[m]["speedup_vs_compiled_bf16"])
@@ -111,13 +131,15 @@ def main(argv=None) -> dict:
     p.add_argument("--dynamic", default="tokens", help="the node's dynamic input (tokens or static)")
     p.add_argument("--fullgraph", action="store_true", help="the node's fullgraph input")
     p.add_argument("--keep-dynamo", action="store_true", help="do not reset Dynamo between modes")
+    p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
     a = p.parse_args(argv)
     device, report = setup(a, "bench_compile_step")
     from lowbit.nodes.compile import CompileSettings
 
     settings = CompileSettings(backend=a.backend, mode=a.compile_mode, scope=a.scope, dynamic=a.dynamic,
                                fullgraph=a.fullgraph)
-    modes = ["bf16"] + [m for m in a.modes if m != "bf16"] if "bf16" in a.modes else list(a.modes)
+    first = [m for m in ("bf16", "bf16" + ATTN_SUFFIX) if m in a.modes]  # the baselines run first
+    modes = first + [m for m in a.modes if m not in first]
     report.data.update(compile=settings.to_dict(), reset_dynamo_per_mode=not a.keep_dynamo, modes={})
     with grad_mode(a.grad_mode):
         report["build_s"], base = wall(lambda: bench_flux_step.build_flux(a.size, device), device)

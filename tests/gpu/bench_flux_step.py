@@ -10,6 +10,11 @@ One run, one JSON report (``--out``), every ratio against bf16 measured in the s
   management with the VRAM budget capped below the model's size (partial loading, weight
   streaming); step time and peak VRAM.
 
+A mode ending in ``+attn`` (``bf16+attn``, ``fp8_rowwise+attn``...) runs with the Attention Backend
+(LowBit) node's override (``--attention-backend``, default ``auto``: the fastest exact backend,
+measured). Its row has ``speedup`` against stock bf16 and ``speedup_vs_bf16_same_attention``
+against ``bf16+attn`` when that was measured too.
+
 Not a pytest file (GPU only). ``--size tiny --device cpu`` is a quick smoke run of the same code.
 Usage: ``python tests/gpu/bench_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out r.json``
 """
@@ -99,25 +104,44 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def step_time(dm, args, device, iters: int) -> tuple[float, torch.Tensor]:
+def step_time(dm, args, device, iters: int, transformer_options: dict | None = None) -> tuple[float, torch.Tensor]:
     x, t, ctx, y, g = args
+    opts = {"transformer_options": dict(transformer_options)} if transformer_options else {}
     with torch.inference_mode():
-        out = dm(x, t, ctx, y=y, guidance=g)
+        out = dm(x, t, ctx, y=y, guidance=g, **opts)
         sync(device)
         times = []
         for _ in range(iters):
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                dm(x, t, ctx, y=y, guidance=g)
+                dm(x, t, ctx, y=y, guidance=g, **opts)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 1000)
             else:
                 t0 = time.perf_counter()
-                dm(x, t, ctx, y=y, guidance=g)
+                dm(x, t, ctx, y=y, guidance=g, **opts)
                 times.append(time.perf_counter() - t0)
     return statistics.median(times), out.float()
+
+
+ATTN_SUFFIX = "+attn"
+
+
+def attention_options(backend: str) -> dict:
+    """``transformer_options`` with the Attention Backend (LowBit) node's override for ``backend``."""
+    from lowbit.kernels.attention import AttentionChooser, AttentionConfig
+    from lowbit.nodes.attention import OVERRIDE_KEY, LowBitAttentionOverride
+
+    return {OVERRIDE_KEY: LowBitAttentionOverride(AttentionChooser(AttentionConfig(backend=backend)))}
+
+
+def attention_report(options: dict) -> list:
+    from lowbit.nodes.attention import OVERRIDE_KEY
+
+    chooser = options[OVERRIDE_KEY].chooser
+    return [{**row, "calls": dict(chooser.calls)} for row in chooser.report()] or [{"calls": dict(chooser.calls)}]
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -139,6 +163,7 @@ def run(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--offload-cap-gb", type=float, default=0.0, help="also run the capped-VRAM comparison")
     p.add_argument("--offload-mode", default="int8_convrot")
+    p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -160,16 +185,26 @@ def run(argv=None) -> dict:
     log.info("bf16 step %.4f s (%d params)", bf16_s, report["params"])
     for mode in a.modes:
         row = {}
+        fmt = mode[:-len(ATTN_SUFFIX)] if mode.endswith(ATTN_SUFFIX) else mode
+        options = attention_options(a.attention_backend) if fmt != mode else None
         try:
-            sync(device)
-            t0 = time.perf_counter()
-            q = quantize_model(base, Policy(mode=mode))
-            sync(device)
-            row["quantize_s"] = time.perf_counter() - t0
-            qdm = q.model.diffusion_model
-            row["weight_bytes"] = sum(getattr(p, "nbytes", p.numel() * p.element_size()) for p in qdm.parameters())
-            step_s, out = step_time(qdm, args, device, a.iters)
+            if fmt == "bf16":
+                q, qdm = None, dm
+            else:
+                sync(device)
+                t0 = time.perf_counter()
+                q = quantize_model(base, Policy(mode=fmt))
+                sync(device)
+                row["quantize_s"] = time.perf_counter() - t0
+                qdm = q.model.diffusion_model
+                row["weight_bytes"] = sum(getattr(p, "nbytes", p.numel() * p.element_size()) for p in qdm.parameters())
+            step_s, out = step_time(qdm, args, device, a.iters, options)
             row.update(step_s=step_s, speedup=bf16_s / step_s, rel_err=rel_err(out, ref))
+            same = report["modes"].get("bf16" + ATTN_SUFFIX, {}).get("step_s")
+            if options is not None:
+                row["attention"] = attention_report(options)
+                if same and fmt != "bf16":
+                    row["speedup_vs_bf16_same_attention"] = same / step_s
             del q, qdm, out
         except Exception as err:  # one mode failing must not lose the others' numbers
             log.exception("mode %s failed", mode)

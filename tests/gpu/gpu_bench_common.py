@@ -162,7 +162,8 @@ def load(model_patcher) -> None:
 def denoiser_call(model_patcher, inputs: dict) -> Callable[[], torch.Tensor]:
     """A callable running one denoiser call of ``model_patcher`` on ``inputs``, as ComfyUI's sampler does."""
     model = model_patcher.model
-    options = {"wrappers": model_patcher.wrappers}  # comfy.sampler_helpers passes the patcher's wrappers so
+    # the patcher's transformer_options (an attention override...) as the sampler copies them, plus its wrappers
+    options = {**model_patcher.model_options.get("transformer_options", {}), "wrappers": model_patcher.wrappers}  # comfy.sampler_helpers passes the patcher's wrappers so
 
     def call():
         return model.apply_model(inputs["x"], inputs["t"], c_crossattn=inputs["c_crossattn"], y=inputs["y"],
