@@ -72,6 +72,10 @@ def lowbit_loader(g: Graph, name: str, mode: str, **options) -> list:
     return g.add("LowBitLoadDiffusionModel", unet_name=name, mode=mode, **options).out()
 
 
+def attention_backend(g: Graph, model: list, backend: str, **options) -> list:
+    return g.add("LowBitAttentionBackend", model=model, backend=backend, **options).out()
+
+
 def save_quantized(g: Graph, model: list, prefix: str) -> Node:
     return g.add("LowBitSaveQuantizedModel", model=model, filename_prefix=f"diffusion_models/{prefix}")
 

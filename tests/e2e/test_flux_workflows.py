@@ -106,6 +106,19 @@ def test_quantize_model_int8_convrot_samples_close_to_float(comfy_server, flux):
     assert "SQNR dB" in report and "largest relative output error" in report, report
 
 
+def test_attention_backend_node_runs_in_sampling(comfy_server, flux):
+    """UNETLoader -> Attention Backend (LowBit) -> KSampler. ``math`` (exact SDPA) samples like ComfyUI's own
+    attention; ``cudnn``, which the CPU cannot run, falls back to it with a warning and the same latent."""
+    reference = flux["reference"]
+    latent = _quantized_latent(comfy_server, lambda g: wf.attention_backend(g, wf.unet_loader(g, FLUX), "math"),
+                               "attention_math")
+    assert sqnr_db(reference, latent) > 40
+    latent = _quantized_latent(comfy_server, lambda g: wf.attention_backend(g, wf.unet_loader(g, FLUX), "cudnn"),
+                               "attention_cudnn")
+    assert torch.equal(latent, reference)
+    assert "cudnn cannot run this call" in comfy_server.log_tail(400)
+
+
 @pytest.mark.parametrize("mode", ["w4a8", "fp8_rowwise"])
 def test_lowbit_loader_quantizes_on_the_fly(comfy_server, flux, mode):
     """(b) Load Diffusion Model (LowBit) quantizing a bf16 file while loading -> KSampler."""
