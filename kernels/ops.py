@@ -2,6 +2,8 @@
 
 * ``lowbit::act_quant``  – per-token INT8/FP8 activation quantization with optional smoothing,
   centring and block Hadamard rotation (``reference.act_quant_reference``).
+* ``lowbit::act_quant_outliers`` – per-token FP8 codes with the ``2r`` outlier columns appended
+  (``reference.act_quant_outliers_reference``).
 * ``lowbit::w8a8_mm``    – INT8 or FP8 scaled GEMM with the scale / shift / bias epilogue.
 * ``lowbit::w4a8_mm``    – packed 4-bit weight × INT8 activation GEMM, decoded in registers.
 
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .reference import act_quant_reference, scaled_mm_reference, unpack_int4_signed, unpack_uint4
+from .reference import (FP8, FP8_MAX, act_quant_outliers_reference, act_quant_reference, scaled_mm_reference,
+                        unpack_int4_signed, unpack_uint4)
 
 
 def _op_defined(name: str) -> bool:
@@ -54,6 +57,22 @@ def _act_quant_fake(x, out_dtype, qmax, rotation, group_size, smooth, center, pe
     m, k = x.shape
     return (x.new_empty((m, k), dtype=out_dtype), x.new_empty((m, 1), dtype=torch.float32),
             x.new_empty((m, 1 if center else 0), dtype=torch.float32))
+
+
+def _act_quant_outliers_impl(x: torch.Tensor, outlier_index: torch.Tensor,
+                             impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if impl == "eager":
+        return act_quant_outliers_reference(x, outlier_index)
+    from .triton_act_quant import act_quant_triton
+
+    q, scale, _ = act_quant_triton(x, FP8, FP8_MAX, "none", 0, None, False, outlier_index=outlier_index)
+    return q, scale
+
+
+def _act_quant_outliers_fake(x, outlier_index, impl):
+    m, k = x.shape
+    return (x.new_empty((m, k + 2 * outlier_index.shape[0]), dtype=FP8),
+            x.new_empty((m, 1), dtype=torch.float32))
 
 
 # ---- w8a8_mm ------------------------------------------------------------------------------------
@@ -116,6 +135,7 @@ def _define(name: str, fn, fake):
 
 
 act_quant_op = _define("act_quant", _act_quant_impl, _act_quant_fake)
+act_quant_outliers_op = _define("act_quant_outliers", _act_quant_outliers_impl, _act_quant_outliers_fake)
 w8a8_mm_op = _define("w8a8_mm", _w8a8_mm_impl, _w8a8_mm_fake)
 w4a8_mm_op = _define("w4a8_mm", _w4a8_mm_impl, _w4a8_mm_fake)
 
@@ -131,6 +151,11 @@ def _compiling() -> bool:
 def act_quant(*args):
     """``lowbit::act_quant`` (see :func:`_act_quant_impl` for the arguments)."""
     return act_quant_op(*args) if _compiling() else _act_quant_impl(*args)
+
+
+def act_quant_outliers(*args):
+    """``lowbit::act_quant_outliers`` (see :func:`_act_quant_outliers_impl` for the arguments)."""
+    return act_quant_outliers_op(*args) if _compiling() else _act_quant_outliers_impl(*args)
 
 
 def w8a8_mm(*args):

@@ -13,6 +13,12 @@ Activation quantization (one token = one row ``x`` of ``[M, K]``)::
     q  = clamp(rint(x' * inv), -qmax, qmax) as int8     (INT8; qmax 127, or 7 for 4-bit codes)
     q  = clamp(x' * inv, -448, 448) as float8_e4m3fn     (FP8, round-to-nearest-even)
 
+FP8 outlier channels (LLM.int8-style split, ``O`` = a small set of ``r`` input channels): the
+activation codes get ``2r`` extra columns ``[q | lo[:, O] | q[:, O]]`` with ``lo = e4m3(y - q)`` the
+residual of the row's own codes on the same per-token scale; the weight stores the matching
+``[w | w[:, O] | w_lo[:, O]]``, so one FP8 GEMM over ``K + 2r`` columns adds
+``lo[O] . w[O] + q[O] . w_lo[O]`` to the plain product (``fp8_outlier_split``).
+
 Scaled GEMM: ``out = float32(A_q @ B_q.T) * a_scale[m] * b_scale[n] + row_shift[m] * col_shift[n]
 + bias[n]``, the INT8 product accumulated exactly in int32, then cast to the output dtype.
 """
@@ -58,6 +64,30 @@ def act_quant_reference(x: torch.Tensor, out_dtype: torch.dtype = torch.int8, qm
     else:
         q = torch.round(y).clamp(-qmax, qmax).to(torch.int8)
     return q, scale, mean
+
+
+def fp8_outlier_split(y: torch.Tensor, codes: torch.Tensor, outlier_index: torch.Tensor,
+                      low_first: bool) -> torch.Tensor:
+    """``[M, K]`` e4m3 ``codes`` of ``y`` (fp32, already in code units and clamped to ±448) with the
+    ``2r`` outlier columns appended: ``[codes | lo[:, O] | codes[:, O]]`` when ``low_first`` (the
+    activation side), else ``[codes | codes[:, O] | lo[:, O]]`` (the weight side), where
+    ``lo = e4m3(y - codes)`` (round-to-nearest-even; ``y - codes`` is exact in fp32)."""
+    index = outlier_index.to(device=codes.device, dtype=torch.long)
+    hi = codes[:, index]
+    lo = (y[:, index] - hi.float()).to(FP8)
+    return torch.cat((codes, lo, hi) if low_first else (codes, hi, lo), dim=1)
+
+
+def act_quant_outliers_reference(x: torch.Tensor, outlier_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 per-token codes ``[M, K + 2r]`` of ``x`` ``[M, K]`` with the outlier columns of
+    ``outlier_index`` (int32 ``[r]``) appended (see the module docstring), and the ``[M, 1]`` scales
+    (those of the whole row, as :func:`act_quant_reference`)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=ABSMAX_FLOOR)
+    inv = torch.full_like(amax, FP8_MAX) / amax
+    scale = amax / FP8_MAX
+    y = (xf * inv).clamp(-FP8_MAX, FP8_MAX)
+    return fp8_outlier_split(y, y.to(FP8), outlier_index, low_first=True), scale
 
 
 def scaled_mm_reference(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,

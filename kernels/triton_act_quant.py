@@ -18,6 +18,11 @@ end. (fp16, not bf16: the CPU interpreter mis-multiplies bf16 operands.)
 evens first, then odds – the order in which the 4-bit-weight GEMM consumes the two nibble planes
 of a packed byte tile (``kernels/triton_w4_gemm.py``).
 
+``R_BLOCK`` > 0 (FP8 only, no smoothing / centring / rotation) appends the outlier columns of
+``reference.act_quant_outliers_reference``: after the row's codes, ``x[row, O]`` is gathered again
+with the int32 index vector ``O`` (``r`` entries, one L2-resident read of ``r`` values per row), and
+the low (residual) and high codes are written at columns ``K .. K + 2r`` on the row's own scale.
+
 FP8 codes are rounded to nearest-even by hand before the cast, so the cast is exact on every
 backend (the CPU interpreter's own float8 cast drops mantissa carries).
 """
@@ -68,11 +73,11 @@ def _dot_fp16(v, h, PRECISE: tl.constexpr):
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr,
-    M, K, stride_xm, stride_qm, qmax, rot_norm,
+    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr, outlier_ptr,
+    M, K, R, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-    OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr,
+    OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,6 +118,19 @@ def _act_quant_kernel(
     q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
     if OUT_FP8:
         tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+        if R_BLOCK > 0:  # outlier columns: the plain path compiles without this block
+            r_cols = tl.arange(0, R_BLOCK)
+            r_ok = r_cols < R
+            channel = tl.load(outlier_ptr + r_cols, mask=r_ok, other=0)
+            o_mask = row_ok[:, None] & r_ok[None, :]
+            xo = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + channel[None, :], mask=o_mask, other=0.0)
+            yo = tl.minimum(tl.maximum(xo.to(tl.float32) * inv[:, None], -qmax), qmax)
+            hi = _round_to_e4m3(yo)
+            o_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qm + K + r_cols[None, :]
+            lo = yo - hi  # exact in fp32; rounded to nearest with the sign of a zero kept, as torch's cast
+            lo = tl.where(_round_to_e4m3(lo) == 0.0, lo * 0.0, _round_to_e4m3(lo))
+            tl.store(o_ptrs, lo.to(tl.float8e4nv), mask=o_mask)
+            tl.store(o_ptrs + R, hi.to(tl.float8e4nv), mask=o_mask)
     else:
         q = _rint(y).to(tl.int8)
         if PERM_BLOCK > 0:  # evens, then odds, within each PERM_BLOCK columns (in registers: stores stay wide)
@@ -162,11 +180,14 @@ def act_quant_problem(k: int, rotation: str, group_size: int) -> str | None:
 def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotation: str, group_size: int,
                      smooth: torch.Tensor | None, center: bool, perm_block: int = 0, out: torch.Tensor | None = None,
                      tile_elements: int | None = None, num_warps: int | None = None,
+                     outlier_index: torch.Tensor | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
     ``out`` (tests: a poisoned buffer) receives the codes when given; ``tile_elements`` and
-    ``num_warps`` override the program size (benchmark sweeps).
+    ``num_warps`` override the program size (benchmark sweeps). ``outlier_index`` (int32 ``[r]``,
+    FP8 without pre-processing only): the codes are ``[M, K + 2r]`` as
+    :func:`lowbit.kernels.reference.act_quant_outliers_reference` (``None``: no extra work).
     """
     m, k = x.shape
     if x.stride(-1) != 1:
@@ -177,7 +198,12 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     block_m, block_k, num_warps, programs = _launch_shape(m, k, rotate, tile_elements, num_warps)
     if perm_block and (k % perm_block or perm_block % 2 or perm_block & (perm_block - 1) or out_dtype == FP8):
         raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features (INT8 codes only)")
-    q = torch.empty((m, k), dtype=out_dtype, device=x.device) if out is None else out
+    r = 0 if outlier_index is None else outlier_index.numel()
+    if r and (out_dtype != FP8 or rotate or center or smooth is not None or perm_block):
+        raise ValueError("outlier columns are for FP8 codes without smoothing, centring, rotation or permutation")
+    if r and (outlier_index.dtype != torch.int32 or outlier_index.device != x.device):
+        raise ValueError(f"outlier_index must be int32 on {x.device}, got {outlier_index.dtype} on {outlier_index.device}")
+    q = torch.empty((m, k + 2 * r), dtype=out_dtype, device=x.device) if out is None else out
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     mean = torch.empty((m, 1), dtype=torch.float32, device=x.device) if center else _no_mean(x.device, m)
     if rotate:
@@ -188,9 +214,10 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     _LAUNCHER.launch(
         (programs,),
         (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat,
-         m, k, x.stride(0), q.stride(0), float(qmax), float(norm)),
+         outlier_index if r else scale, m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm)),
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
-             TWO_STAGE=two_stage, OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block),
+             TWO_STAGE=two_stage, OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
+             R_BLOCK=max(16, _pow2_at_least(r)) if r else 0),
         num_warps=num_warps,
     )
     return q, scale, mean

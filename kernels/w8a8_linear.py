@@ -1,8 +1,9 @@
 """W8A8 linear (INT8 or FP8 codes), activation quantization included, through the dispatcher.
 
 ``y = Q(pre(x)) @ W.T * scales + mu * col_shift + bias`` where ``pre`` is the optional HadaNorm
-smoothing / centring and block Hadamard rotation that the weight was quantized with. The
-candidates the dispatcher chooses among:
+smoothing / centring and block Hadamard rotation that the weight was quantized with, or (FP8 only,
+nothing else) the outlier columns: ``Q`` appends ``[x_lo[:, O] | x[:, O]]`` to the codes and the
+weight is ``[N, K + 2r]`` (``kernels/fp8_gemm.py``). The candidates the dispatcher chooses among:
 
 * ``triton:<config>`` – our fused act-quant kernel + our scaled GEMM (one candidate per tile config)
 * ``torch``           – our act-quant + ``torch._int_mm`` / ``torch._scaled_mm`` (rowwise) + epilogue
@@ -38,12 +39,21 @@ class Preprocess:
     group_size: int = 0
     smooth: torch.Tensor | None = None  # [K] multiplier (HadaNorm)
     center_rowsum: torch.Tensor | None = None  # [N] rowsum of the weight: centre x and add mu * rowsum
+    outlier_index: torch.Tensor | None = None  # int32 [r]: FP8 outlier columns appended (nothing else)
 
     def __post_init__(self):
         if self.rotation not in ("none", "regular", "sylvester"):
             raise ValueError(f"rotation must be 'none', 'regular' or 'sylvester', got {self.rotation!r}")
         if self.rotation != "none" and self.group_size <= 0:
             raise ValueError(f"a {self.rotation} rotation needs a positive group_size, got {self.group_size}")
+        if self.outlier_index is not None and (self.rotation != "none" or self.smooth is not None
+                                               or self.center_rowsum is not None):
+            raise ValueError("FP8 outlier columns cannot be combined with smoothing, centring or rotation")
+
+    @property
+    def outliers(self) -> int:
+        """``r``, the number of outlier channels (0: none)."""
+        return 0 if self.outlier_index is None else self.outlier_index.numel()
 
     def key(self) -> str:
         parts = []
@@ -53,6 +63,8 @@ class Preprocess:
             parts.append("center")
         if self.rotation != "none":
             parts.append(f"{self.rotation}{self.group_size}")
+        if self.outlier_index is not None:
+            parts.append("outliers")
         return "+".join(parts)
 
     def apply_float(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -81,14 +93,31 @@ def w8a8_fast_key(fmt: str, x2d: torch.Tensor, weight: torch.Tensor, weight_scal
 
 def w8a8_linear_fast(fmt: str, x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None, out_dtype: torch.dtype, rotation: str = "none", group_size: int = 0,
-                     smooth: torch.Tensor | None = None, center_rowsum: torch.Tensor | None = None) -> torch.Tensor:
+                     smooth: torch.Tensor | None = None, center_rowsum: torch.Tensor | None = None, *,
+                     outlier_index: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`w8a8_linear` with the pre-processing as plain arguments: the cached plan when there is
     one (no ``Preprocess``, candidate list or key string is built), else the full path."""
+    if outlier_index is not None:
+        return _outlier_linear_fast(fmt, x2d, weight, weight_scale, bias, out_dtype, rotation, group_size,
+                                    smooth, center_rowsum, outlier_index)
     key = w8a8_fast_key(fmt, x2d, weight, weight_scale, bias, out_dtype, rotation, group_size, smooth, center_rowsum)
     out = dispatch.run_fast(key, x2d, weight, weight_scale, bias, smooth, center_rowsum)
     if out is not None:
         return out
     pre = Preprocess(rotation, group_size, smooth, center_rowsum)
+    return w8a8_linear(x2d, weight, weight_scale, bias, out_dtype, pre, fmt, fast_key=key)
+
+
+def _outlier_linear_fast(fmt, x2d, weight, weight_scale, bias, out_dtype, rotation, group_size, smooth,
+                         center_rowsum, outlier_index) -> torch.Tensor:
+    """The outlier-column path of :func:`w8a8_linear_fast`: its own keys and plans
+    ``plan(x2d, weight, weight_scale, bias, outlier_index)``, so the plain path is unchanged."""
+    key = ("outliers", outlier_index.numel(), outlier_index.device,
+           *w8a8_fast_key(fmt, x2d, weight, weight_scale, bias, out_dtype, rotation, group_size, smooth, center_rowsum))
+    out = dispatch.run_fast(key, x2d, weight, weight_scale, bias, outlier_index)
+    if out is not None:
+        return out
+    pre = Preprocess(rotation, group_size, smooth, center_rowsum, outlier_index)
     return w8a8_linear(x2d, weight, weight_scale, bias, out_dtype, pre, fmt, fast_key=key)
 
 
@@ -98,8 +127,11 @@ def w8a8_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     fp8 = weight.dtype == FP8
     if weight.dtype not in (torch.int8, FP8):
         raise ValueError(f"{fmt}: weight must be int8 or float8_e4m3fn, got {weight.dtype}")
-    if x2d.shape[1] != weight.shape[1]:
-        raise ValueError(f"{fmt}: input has {x2d.shape[1]} features but the weight expects {weight.shape[1]}")
+    if pre.outliers and not fp8:
+        raise ValueError(f"{fmt}: outlier columns need an FP8 weight, got {weight.dtype}")
+    if x2d.shape[1] + 2 * pre.outliers != weight.shape[1]:
+        extra = f" plus 2 x {pre.outliers} outlier columns" if pre.outliers else ""
+        raise ValueError(f"{fmt}: input has {x2d.shape[1]} features{extra} but the weight expects {weight.shape[1]}")
     n = weight.shape[0]
     w_scale = weight_scale.reshape(-1).float()
     if w_scale.numel() not in (1, n):
@@ -113,7 +145,10 @@ def w8a8_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 def _fast_plan(name: str, x2d: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype, pre: Preprocess,
                fp8: bool):
-    """The steady-state call of candidate ``name``: ``plan(x2d, weight, weight_scale, bias, smooth, center_rowsum)``."""
+    """The steady-state call of candidate ``name``: ``plan(x2d, weight, weight_scale, bias, smooth, center_rowsum)``
+    (with outlier columns: ``plan(x2d, weight, weight_scale, bias, outlier_index)``)."""
+    if pre.outliers:
+        return _fast_outlier_plan(name, weight_scale, out_dtype)
     if name.startswith("triton:"):
         return _TritonW8A8Plan(config_named(name.split(":", 1)[1]), pre.rotation, pre.group_size,
                                pre.center_rowsum is not None, fp8, out_dtype,
@@ -124,6 +159,34 @@ def _fast_plan(name: str, x2d: torch.Tensor, weight_scale: torch.Tensor, out_dty
         pre = Preprocess(rotation, group_size, smooth, center_rowsum)
         return _Plan(x, weight, weight_scale.reshape(-1).float(), bias, out_dtype, pre, fp8).make(name)()
     return plan
+
+
+def _fast_outlier_plan(name: str, weight_scale: torch.Tensor, out_dtype: torch.dtype):
+    if name.startswith("triton:"):
+        return _TritonOutlierPlan(config_named(name.split(":", 1)[1]), out_dtype,
+                                  scale_as_is=weight_scale.dtype == torch.float32 and weight_scale.is_contiguous())
+
+    def plan(x, weight, weight_scale, bias, outlier_index):  # any other decision: its full candidate
+        pre = Preprocess(outlier_index=outlier_index)
+        return _Plan(x, weight, weight_scale.reshape(-1).float(), bias, out_dtype, pre, True).make(name)()
+    return plan
+
+
+class _TritonOutlierPlan:
+    """Our act-quant kernel with outlier columns + our FP8 GEMM over ``K + 2r``: two launches."""
+
+    __slots__ = ("config", "out_dtype", "scale_as_is")
+
+    def __init__(self, config, out_dtype, scale_as_is):
+        self.config, self.out_dtype, self.scale_as_is = config, out_dtype, scale_as_is
+
+    def __call__(self, x, weight, weight_scale, bias, outlier_index):
+        from .triton_act_quant import act_quant_triton
+        from .triton_w8a8_gemm import w8a8_mm_triton
+
+        q, scale, _ = act_quant_triton(x, FP8, FP8_MAX, "none", 0, None, False, outlier_index=outlier_index)
+        w_scale = weight_scale if self.scale_as_is else weight_scale.reshape(-1).float()
+        return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, self.out_dtype, self.config)
 
 
 class _TritonW8A8Plan:
@@ -179,13 +242,18 @@ class _Plan:
             problem = act_quant_problem(self.x.shape[1], self.pre.rotation, self.pre.group_size)
         return problem
 
+    @property
+    def gemm_k(self) -> int:
+        """The GEMM's reduction length: ``K``, plus ``2r`` with outlier columns."""
+        return self.weight.shape[1]
+
     def _kitchen_ok(self) -> bool:
         pre = self.pre
         rot_ok = pre.rotation == "none" or (pre.rotation == "regular" and pre.group_size == _KITCHEN_CONVROT_GROUP)
         return not self.fp8 and rot_ok and pre.smooth is None and pre.center_rowsum is None
 
     def _torch_ok(self) -> bool:
-        k, n = self.x.shape[1], self.weight.shape[0]
+        k, n = self.gemm_k, self.weight.shape[0]
         if self.fp8:
             return (self.device.type == "cuda" and capability(self.device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
                     and self.out_dtype in (torch.bfloat16, torch.float16, torch.float32))
@@ -199,8 +267,11 @@ class _Plan:
         triton = []
         if triton_ok:
             configs = w8a8_candidates(capability(self.device), m) if on_gpu else [default_config(m)]
-            k_aligned = self.x.shape[1] % 16 == 0  # TMA descriptors need 16-byte row strides
-            triton = [f"triton:{c.name}" for c in configs if k_aligned or not c.tma]
+            k_aligned = self.gemm_k % 16 == 0  # TMA descriptors need 16-byte row strides
+            triton = [f"triton:{c.name}" for c in configs if (k_aligned or not c.tma)
+                      # the FP8 GEMM loads a K tail with an integer fill that does not cast to e4m3: with
+                      # outlier columns (K + 2r) only the tiles dividing the GEMM's K are candidates
+                      and not (self.pre.outliers and self.gemm_k % c.block_k)]
         torch_mm = ["torch"] if self._torch_ok() else []
         kitchen = ["kitchen"] if self._kitchen_ok() else []
         if on_gpu:  # the reference is never measured on a GPU (it cannot win); it runs when forced
@@ -226,6 +297,9 @@ class _Plan:
 
     def _act_quant(self, impl: str):
         pre = self.pre
+        if pre.outliers:
+            q, scale = ops.act_quant_outliers(self.x, pre.outlier_index, impl)
+            return q, scale, None
         return ops.act_quant(self.x, self.code_dtype, self.qmax, pre.rotation, pre.group_size, pre.smooth,
                              pre.center_rowsum is not None, 0, impl)
 
@@ -267,7 +341,11 @@ class _Plan:
     def _dequant(self) -> torch.Tensor:
         compute = self.x.dtype if self.x.dtype in (torch.float16, torch.bfloat16) and self.x.is_cuda else torch.float32
         xf, mean = self.pre.apply_float(self.x)
-        weight = (self.weight.float() * self.w_scale.reshape(-1, 1)).to(compute)
+        weight = self.weight.float()
+        if self.pre.outliers:  # the hi + lo weight: the low codes added onto their channels
+            r, k = self.pre.outliers, self.x.shape[1]
+            weight = weight[:, :k].index_add(1, self.pre.outlier_index.long(), weight[:, k + r:])
+        weight = (weight * self.w_scale.reshape(-1, 1)).to(compute)
         out = torch.nn.functional.linear(xf.to(compute), weight).float()
         if mean is not None:
             out = out + mean * self.pre.center_rowsum.float().reshape(1, -1)
