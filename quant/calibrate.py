@@ -15,7 +15,8 @@ and hands the recorded samples and the float weights to :func:`calibrate`, which
    ``"model_output"`` objective), else the summed layer errors (``"layer_output"``),
 3. returns a :class:`CalibrationResult`: the structural policy plus ``layer_formats`` (the choice),
    each layer's measurements, the static ``input_scale`` of every FP8 layer and the
-   ``pre_quant_scale`` of every layer whose chosen format runs smoothed.
+   ``pre_quant_scale`` of every layer whose chosen format runs smoothed, and the outlier channels of
+   every ``fp8_rowwise`` layer (``config.outlier_fraction`` > 0, see below).
 
 **The policy file** (:meth:`CalibrationResult.save`, :func:`load_policy_file`) is JSON::
 
@@ -27,6 +28,7 @@ and hands the recorded samples and the float weights to :func:`calibrate`, which
                                         "input_scale": 0.0123,            # FP8 layers only
                                         "pre_quant_alpha": 0.5,           # smoothed layers only, with
                                         "pre_quant_scale": {"dtype": "bfloat16", "base64": "..."},
+                                        "outlier_channels": [17, 301, ...],  # fp8_rowwise layers only
                                         "measured": {format: {"error": ..., "output_error": ..., "bytes": ...,
                                                               "smoothed_error": ..., "smoothing_alpha": ...,
                                                               "pre_quant_alpha": ...}}}}}}
@@ -47,6 +49,13 @@ and run the smoothed weight on unscaled inputs. The layer then stores
 ``smoothed_weight(W, pre_quant_scale)`` in its format plus ``<layer>.pre_quant_scale`` (compute
 dtype); the policy file keeps the scale itself, so applying it writes the same bytes.
 ``smoothing="measure"`` only reports the gain; ``"off"`` skips it.
+
+**Outlier channels (``fp8_rowwise``).** With ``config.outlier_fraction`` > 0 (default 1/48: 64
+channels at K = 3072) every ``fp8_rowwise`` layer is measured, chosen and stored with the top ``r``
+input channels by ``max|X_j| * ||W[:, j]||`` given a second e4m3 term
+(``calibration_outliers.py``); the policy file lists them per layer, and
+``calibration_apply.convert_calibrated`` quantizes those layers with them
+(``<layer>.weight_outlier_index``). ``0`` turns it off.
 """
 
 from __future__ import annotations
@@ -62,8 +71,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .calibration_choose import Budget, choose_formats
+from .calibration_outliers import (DEFAULT_OUTLIER_FRACTION, FP8_ROWWISE, check_outlier_fraction, decode_channels,
+                                   encode_channels, layer_outlier_channels)
 from .calibration_measure import (DEFAULT_ALPHAS, FLOAT, MIN_PRE_QUANT_GAIN, FormatMeasurement, OutputErrorProbe,
-                                  measure_layer, resolve_candidates, takes_input_scale)
+                                  measure_layer, resolve_candidates, smoothed_weight, takes_input_scale)
 from .calibration_pre_quant import (carries_pre_quant_scale, check_pre_quant_scale, decode_scale, encode_scale,
                                     pre_quant_scale)
 from .calibration_samples import DEFAULT_MAX_ROWS, ActivationSample
@@ -98,6 +109,8 @@ class CalibrationConfig:
     rows_per_layer: int = DEFAULT_MAX_ROWS
     compute_dtype: torch.dtype = torch.bfloat16
     seed: int = 0
+    #: share of an fp8_rowwise layer's input channels given a second e4m3 term (0: off; see the module docstring)
+    outlier_fraction: float = DEFAULT_OUTLIER_FRACTION
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
@@ -120,13 +133,14 @@ class CalibrationConfig:
             raise PolicyError(f"rows_per_layer must be a positive integer, got {self.rows_per_layer!r}")
         if self.compute_dtype not in DTYPE_NAMES:
             raise PolicyError(f"compute_dtype must be one of {', '.join(DTYPE_NAMES.values())}, got {self.compute_dtype}")
+        object.__setattr__(self, "outlier_fraction", check_outlier_fraction(self.outlier_fraction))
 
     def to_dict(self) -> dict:
         return {"budget": str(self.budget) if self.budget.kind == "ratio" else int(self.budget.value),
                 "candidates": list(self.candidates), "smoothing": self.smoothing, "alphas": list(self.alphas),
                 "pre_quant_formats": sorted(self.pre_quant_formats),
                 "rows_per_layer": self.rows_per_layer, "compute_dtype": DTYPE_NAMES[self.compute_dtype],
-                "seed": self.seed, "version": self.version}
+                "seed": self.seed, "outlier_fraction": self.outlier_fraction, "version": self.version}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "CalibrationConfig":
@@ -171,6 +185,8 @@ class LayerCalibration:
     rows: int  # input rows the measurement ran on
     #: the ``[K]`` scale the chosen format runs with, when ``chosen.smoothed`` (compute dtype)
     pre_quant_scale: torch.Tensor | None = field(default=None, compare=False)
+    #: int32 ``[r]``: the input channels an ``fp8_rowwise`` layer gives a second e4m3 term (``calibration_outliers``)
+    outlier_channels: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.format in self.by_format and self.chosen.smoothed != (self.pre_quant_scale is not None):
@@ -180,6 +196,11 @@ class LayerCalibration:
                               f"{'a' if self.pre_quant_scale is not None else 'no'} scale")
         if self.pre_quant_scale is not None:
             check_pre_quant_scale(self.name, self.pre_quant_scale, self.shape[1])
+        if self.outlier_channels is not None:
+            if self.format != FP8_ROWWISE:
+                raise PolicyError(f"layer {self.name!r}: outlier channels go with format {FP8_ROWWISE!r} only, found "
+                                  f"{self.format!r}")
+            decode_channels(self.name, encode_channels(self.outlier_channels), self.shape[1])
 
     @property
     def by_format(self) -> dict[str, FormatMeasurement]:
@@ -211,6 +232,8 @@ class LayerCalibration:
         if self.pre_quant_scale is not None:
             out["pre_quant_alpha"] = self.pre_quant_alpha
             out["pre_quant_scale"] = encode_scale(self.pre_quant_scale)
+        if self.outlier_channels is not None:
+            out["outlier_channels"] = encode_channels(self.outlier_channels)
         out["measured"] = {m.format: {k: v for k, v in dataclasses.asdict(m).items() if k != "format" and v is not None}
                            for m in self.measured}
         return out
@@ -227,8 +250,10 @@ class LayerCalibration:
             raise PolicyError(f"policy file: layer {name!r} chose {fmt!r}, which was not measured "
                               f"(measured: {', '.join(m.format for m in measured)})")
         scale = data.get("pre_quant_scale")
+        channels = data.get("outlier_channels")
         layer = cls(name=name, shape=shape, format=fmt, measured=measured, rows=rows,
-                    pre_quant_scale=None if scale is None else decode_scale(name, scale))
+                    pre_quant_scale=None if scale is None else decode_scale(name, scale),
+                    outlier_channels=None if channels is None else decode_channels(name, channels, shape[1]))
         if "pre_quant_alpha" in data and data["pre_quant_alpha"] != layer.pre_quant_alpha:
             raise PolicyError(f"policy file: layer {name!r} records pre_quant_alpha {data['pre_quant_alpha']!r} but "
                               f"its chosen format was measured with {layer.pre_quant_alpha!r}; the file was edited")
@@ -269,6 +294,10 @@ class CalibrationResult:
     def pre_quant_scales(self) -> dict[str, torch.Tensor]:
         """``{layer: pre_quant_scale}`` for every layer whose chosen format runs smoothed."""
         return {layer.name: layer.pre_quant_scale for layer in self.layers if layer.pre_quant_scale is not None}
+
+    def outlier_channels(self) -> dict[str, torch.Tensor]:
+        """``{layer: int32 outlier channels}`` for every ``fp8_rowwise`` layer that has them."""
+        return {layer.name: layer.outlier_channels for layer in self.layers if layer.outlier_channels is not None}
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -323,7 +352,8 @@ class CalibrationResult:
         return {"schema": SCHEMA, "version": FILE_VERSION, "config": self.config.to_dict(),
                 "objective": self.objective, "budget_bytes": self.budget_bytes, "used_bytes": self.used_bytes, "fixed_bytes": self.fixed_bytes,
                 "total_error": self.total_error, "layers": self.counts(), "input_scales": len(self.input_scales()),
-                "pre_quant_scales": len(self.pre_quant_scales()), "source": dict(self.source)}
+                "pre_quant_scales": len(self.pre_quant_scales()), "outlier_layers": len(self.outlier_channels()),
+                "source": dict(self.source)}
 
     # ---- reporting ------------------------------------------------------------------------
     def summary(self) -> str:
@@ -408,6 +438,7 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
     names = list(samples)
     layers: dict[str, tuple[tuple[int, int], dict[str, FormatMeasurement], int]] = {}
     scales: dict[str, dict[float, torch.Tensor]] = {}  # layer -> the pre_quant_scale of each applied alpha
+    outliers: dict[str, dict[float | None, torch.Tensor | None]] = {}  # fp8_rowwise: alpha (None: unsmoothed) -> index
     for done, name in enumerate(names, 1):
         weight = weights[name]
         shape = tuple(int(d) for d in weight.shape)
@@ -417,11 +448,17 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
             probe = output_error(name) if output_error is not None else None
             measured = measure_layer(weight, samples[name], config.candidates, compute_dtype=config.compute_dtype,
                                      alphas=alphas, float_itemsize=float_itemsize, device=device, output_error=probe,
-                                     smoothable=smoothable)
+                                     smoothable=smoothable, outlier_fraction=config.outlier_fraction)
             layers[name] = (shape, measured, int(samples[name].rows.shape[0]))
             amax = samples[name].channel_amax.to(weight.device)
             scales[name] = {m.pre_quant_alpha: pre_quant_scale(amax, weight, m.pre_quant_alpha, config.compute_dtype).cpu()
                             for m in measured.values() if m.smoothed}
+            rowwise = measured.get(FP8_ROWWISE)
+            if rowwise is not None and config.outlier_fraction > 0:
+                alpha = rowwise.pre_quant_alpha
+                scale = scales[name].get(alpha)
+                w = weight if scale is None else smoothed_weight(weight, scale.to(weight.device))
+                outliers[name] = {alpha: layer_outlier_channels(amax, w, config.outlier_fraction, scale)}
         del weight
         if progress is not None:
             progress(done, len(names))
@@ -436,7 +473,9 @@ def calibrate(weights: Mapping[str, torch.Tensor], samples: Mapping[str, Activat
     chosen = choose_formats(errors, sizes, budget_bytes) if layers else {}
     calibrated = dataclasses.replace(policy, layer_formats=chosen)
     results = tuple(LayerCalibration(name, shape, chosen[name], tuple(measured.values()), rows,
-                                     scales[name].get(measured[chosen[name]].pre_quant_alpha))
+                                     scales[name].get(measured[chosen[name]].pre_quant_alpha),
+                                     outliers.get(name, {}).get(measured[chosen[name]].pre_quant_alpha)
+                                     if chosen[name] == FP8_ROWWISE else None)
                     for name, (shape, measured, rows) in layers.items())
     return CalibrationResult(calibrated, config, budget_bytes, int(fixed_bytes), results, dict(source or {}), objective)
 

@@ -6,7 +6,9 @@ calibration gave a static scale, the native ``<layer>.input_scale`` (fp32 scalar
 ComfyUI and LowBit quantize the layer's activations with, and for every layer the calibration
 smoothed, ``<layer>.pre_quant_scale`` next to the weight ``W diag(1 / pre_quant_scale)`` quantized
 in the layer's format (see ``calibration_pre_quant.py``; a native-format layer only when
-``pre_quant_formats`` says the target ComfyUI applies the scale to that format). The header carries ``lowbit_policy``
+``pre_quant_formats`` says the target ComfyUI applies the scale to that format), and for every
+``fp8_rowwise`` layer with calibrated outlier channels, its weight quantized with them
+(``[N, K + 2r]`` plus ``<layer>.weight_outlier_index``, see ``calibration_outliers.py``). The header carries ``lowbit_policy``
 (the policy, with its ``layer_formats``), ``lowbit_plan`` and ``lowbit_calibration`` (a summary:
 budget, bytes, total error, formats, how the inputs were recorded). Streaming, atomic, and
 refusing the same inputs as ``convert_file`` (it uses that module's checks).
@@ -14,6 +16,7 @@ refusing the same inputs as ``convert_file`` (it uses that module's checks).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -22,6 +25,7 @@ from typing import Callable, Mapping
 import torch
 
 from .calibration_measure import smoothed_weight, takes_input_scale
+from .calibration_outliers import FP8_ROWWISE
 from .calibration_pre_quant import carries_pre_quant_scale, check_pre_quant_scale, pre_quant_entry
 from .checkpoint import open_checkpoint
 from .convert import ConversionReport, convert_file
@@ -45,14 +49,18 @@ def input_scale_entry(layer: str, scale: float) -> dict[str, torch.Tensor]:
 def convert_calibrated(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy, *,
                        input_scales: Mapping[str, float] | None = None,
                        pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
-                       pre_quant_formats: frozenset[str] = frozenset(), calibration_summary: Mapping | None = None,
+                       pre_quant_formats: frozenset[str] = frozenset(),
+                       outlier_channels: Mapping[str, torch.Tensor] | None = None,
+                       calibration_summary: Mapping | None = None,
                        compute_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                        overwrite: bool = False,
                        progress: Callable[[int, int], None] | None = None) -> ConversionReport:
     """Quantize ``src`` under ``policy`` into ``dst``, adding ``input_scales`` to the FP8 layers the plan
     quantizes and ``pre_quant_scales`` (``CalibrationResult.pre_quant_scales()``) to the layers whose
     format may carry one (``pre_quant_formats``: the native formats the target ComfyUI applies it to;
-    LowBit's own formats always). Layer names are relative to the diffusion model, as in the policy.
+    LowBit's own formats always), and quantizes the ``fp8_rowwise`` layers of ``outlier_channels``
+    (``CalibrationResult.outlier_channels()``) with theirs. Layer names are relative to the diffusion
+    model, as in the policy.
     """
     with open_checkpoint(src) as reader:  # header only: the same plan convert_file makes
         shapes = dict(sorted(reader.shapes().items()))
@@ -65,6 +73,15 @@ def convert_calibrated(src: str | os.PathLike, dst: str | os.PathLike, policy: P
     for layer in refused:  # an FP8 scale calibrated on smoothed inputs does not fit the unsmoothed layer
         if scales.pop(layer, None) is not None:
             log.warning("LowBit: %s runs unsmoothed, so its calibrated input_scale is dropped (dynamic scale)", layer)
+    outliers = _outliers_for(chosen, outlier_channels or {}, prefix)
+    options = {}
+    if outliers:
+        if "quantize_options" in inspect.signature(convert_file).parameters:
+            options["quantize_options"] = lambda layer, fmt: ({"outlier_channels": outliers[layer]}
+                                                               if layer in outliers else {})
+        else:  # see docs/calibration.md: the converter must pass per-layer options to the codec
+            log.warning("LowBit: this converter cannot pass outlier channels to the codec; %d fp8_rowwise layer(s) "
+                        "are written without them (plain e4m3)", len(outliers))
     extra = None
     if calibration_summary is not None:
         extra = {LOWBIT_CALIBRATION_KEY: json.dumps(dict(calibration_summary), sort_keys=True)}
@@ -82,7 +99,22 @@ def convert_calibrated(src: str | os.PathLike, dst: str | os.PathLike, policy: P
 
     return convert_file(src, dst, policy, compute_dtype=compute_dtype, device=device, overwrite=overwrite,
                         progress=progress, extra_entries=entries, extra_metadata=extra,
-                        transform_weight=transform_weight if smoothing else None)
+                        transform_weight=transform_weight if smoothing else None, **options)
+
+
+def _outliers_for(chosen: Mapping[str, str], outlier_channels: Mapping[str, torch.Tensor],
+                  prefix: str) -> dict[str, torch.Tensor]:
+    """Full layer name -> outlier channels, for the ``fp8_rowwise`` layers of the plan that have them."""
+    out = {}
+    for layer, fmt in chosen.items():
+        relative = layer[len(prefix):] if layer.startswith(prefix) else layer
+        if relative in outlier_channels and fmt == FP8_ROWWISE:
+            out[layer] = outlier_channels[relative]
+    unused = sorted(set(outlier_channels) - {l[len(prefix):] if l.startswith(prefix) else l for l in out})
+    if unused:
+        log.warning("LowBit: %d outlier-channel set(s) name layers this plan does not quantize as fp8_rowwise "
+                    "(e.g. %s); not used", len(unused), unused[0])
+    return out
 
 
 def _pre_quant_for(chosen: Mapping[str, str], pre_quant_scales: Mapping[str, torch.Tensor], prefix: str,

@@ -35,6 +35,10 @@ Activation-side parameters that ComfyUI's checkpoint format has fields for:
   the measurement then describes the layer as it will run (``pre_quant_alpha`` set; ``bytes``,
   ``input_scale`` and ``output_error`` with the scale), ``error`` staying the unsmoothed one.
 
+With ``outlier_fraction`` > 0, ``fp8_rowwise`` is measured as it will run: with the outlier channels
+``calibration_outliers.layer_outlier_channels`` picks from the same channel maxima (on the smoothed
+inputs and weight when smoothed); its bytes include the ``2r`` extra weight columns and the index.
+
 Nothing here imports ComfyUI.
 """
 
@@ -47,6 +51,7 @@ from typing import Callable
 
 import torch
 
+from .calibration_outliers import FP8_ROWWISE, layer_outlier_channels
 from .calibration_samples import ActivationSample
 from .errors import LowBitError
 from .formats import fallback_chain, get_format
@@ -176,14 +181,15 @@ def measure_layer(weight: torch.Tensor, sample: ActivationSample, candidate_form
                   compute_dtype: torch.dtype = torch.bfloat16, alphas: tuple[float, ...] = (),
                   float_itemsize: int = 2, device: torch.device | str | None = None,
                   output_error: OutputErrorProbe | None = None,
-                  smoothable: frozenset[str] = frozenset()) -> dict[str, FormatMeasurement]:
+                  smoothable: frozenset[str] = frozenset(), outlier_fraction: float = 0.0) -> dict[str, FormatMeasurement]:
     """Every candidate (after fallback) measured on the layer's sample (on ``device`` when given);
     SmoothQuant smoothing too, for each strength in ``alphas``, applied to the formats in
     ``smoothable`` where it lowers the error (see the module docstring); the model-output error
-    through ``output_error`` when given."""
+    through ``output_error`` when given; ``fp8_rowwise`` with its outlier channels when
+    ``outlier_fraction`` > 0."""
     return _measure(weight, sample.rows, sample.channel_amax, tuple(candidate_formats), compute_dtype=compute_dtype,
                     alphas=tuple(alphas), float_itemsize=float_itemsize, device=device, probe=output_error,
-                    smoothable=frozenset(smoothable), rows_seen=sample.rows_seen)
+                    smoothable=frozenset(smoothable), rows_seen=sample.rows_seen, outlier_fraction=outlier_fraction)
 
 
 def smoothed_weight(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:
@@ -192,7 +198,7 @@ def smoothed_weight(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torc
 
 
 def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas, float_itemsize, device, probe,
-             smoothable, rows_seen):
+             smoothable, rows_seen, outlier_fraction=0.0):
     if weight.dim() != 2 or inputs.dim() != 2 or inputs.shape[1] != weight.shape[1]:
         raise LowBitError(f"measuring a layer needs a [N, K] weight and [M, K] inputs, got weight "
                           f"{tuple(weight.shape)} and inputs {tuple(inputs.shape)}")
@@ -210,13 +216,14 @@ def _measure(weight, inputs, channel_amax, candidates, *, compute_dtype, alphas,
                 out[fmt] = FormatMeasurement(fmt, error, w.numel() * float_itemsize,
                                              output_error=probe(product) if probe is not None else None)
                 continue
-            product, size, scale = _quantized_product(fmt, w, amax, None, compute_dtype)
+            product, size, scale = _quantized_product(fmt, w, amax, None, compute_dtype, outlier_fraction)
             error = relative_error(reference, product(x).float())
             best = None  # (smoothed error, alpha, product, bytes, input scale)
             for alpha in alphas if amax is not None else ():
                 # 1 / s rounded to the dtype it is stored and applied in, before the weight is divided by it
                 pre_quant = (1.0 / smoothing_scale(amax, w, alpha)).to(compute_dtype)
-                smoothed = _quantized_product(fmt, smoothed_weight(w, pre_quant), amax, pre_quant, compute_dtype)
+                smoothed = _quantized_product(fmt, smoothed_weight(w, pre_quant), amax, pre_quant, compute_dtype,
+                                              outlier_fraction)
                 smoothed_error = relative_error(reference, smoothed[0](x).float())
                 if best is None or smoothed_error < best[0]:
                     best = (smoothed_error, alpha, *smoothed)
@@ -237,10 +244,16 @@ def _float_product(w_compute: torch.Tensor, compute_dtype):
     return product
 
 
-def _quantized_product(fmt, w, channel_amax, pre_quant_scale, compute_dtype):
+def _quantized_product(fmt, w, channel_amax, pre_quant_scale, compute_dtype, outlier_fraction=0.0):
     """(``x -> x Q(W)^T`` as format ``fmt`` runs it, stored bytes, static input_scale or None)."""
     codec = get_format(fmt)
-    qt = codec.quantize(w, compute_dtype=compute_dtype)
+    outliers = None
+    if fmt == FP8_ROWWISE and outlier_fraction > 0 and channel_amax is not None:
+        outliers = layer_outlier_channels(channel_amax, w, outlier_fraction, pre_quant_scale)
+    if outliers is not None:
+        qt = codec.quantize(w, compute_dtype=compute_dtype, outlier_channels=outliers)
+    else:
+        qt = codec.quantize(w, compute_dtype=compute_dtype)
     scale = None
     if takes_input_scale(fmt) and channel_amax is not None:
         scale = static_input_scale(channel_amax, pre_quant_scale)

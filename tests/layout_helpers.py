@@ -75,17 +75,24 @@ class OutlierProblem:
     weight: torch.Tensor  # fp32 [N, K]
     x: torch.Tensor  # fp32 [M, K]
     reference: torch.Tensor  # float64 x @ weight.T
+    #: fp32 [M, K]: held-out activations for calibration (same outlier channels, different values)
+    calibration_x: torch.Tensor | None = None
 
 
 def outlier_problem(n: int = 3072, k: int = 3072, m: int = 256, *, seed: int = 0) -> OutlierProblem:
-    """W = randn(n, k) * 0.02 with 32 random input channels x4; X = randn(m, k) with 32 other channels x10."""
+    """W = randn(n, k) * 0.02 with 32 random input channels x4; X = randn(m, k) with 32 other channels x10.
+
+    ``calibration_x``: another ``randn(m, k)`` (its own generator) with the same 32 channels x10 – what a
+    calibration pass would record from other prompts of the same model."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen) * 0.02
     x = torch.randn(m, k, generator=gen)
     channels = torch.randperm(k, generator=gen)
     weight[:, channels[:32]] *= 4
     x[:, channels[32:64]] *= 10
-    return OutlierProblem(weight, x, x.double() @ weight.double().t())
+    calibration_x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1_000_003))
+    calibration_x[:, channels[32:64]] *= 10
+    return OutlierProblem(weight, x, x.double() @ weight.double().t(), calibration_x)
 
 
 def ranged_problem(n: int = 256, k: int = 512, m: int = 64, *, seed: int = 1) -> OutlierProblem:

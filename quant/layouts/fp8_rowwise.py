@@ -146,7 +146,9 @@ class FP8RowwiseCodec(FormatCodec):
         k = width
         if index is not None:
             k = width - 2 * (index.numel() if isinstance(index, torch.Tensor) else 0)
-            problem = outlier_index_problem(index, k) if k > 0 else f"it names more channels than the weight has"
+            problem = outlier_index_problem(index, k) if k > 0 else "it names more channels than the weight has"
+            if problem is None and not _repeats_indexed_columns(weight, index, k):
+                problem = f"columns {k}..{width - index.numel()} do not repeat the codes of the indexed channels"
             if problem:
                 raise CheckpointFormatError(
                     f"layer {layer!r} ({self.spec.name}): {OUTLIER_INDEX!r} is not a valid outlier-channel index "
@@ -158,6 +160,14 @@ class FP8RowwiseCodec(FormatCodec):
         params = FP8RowwiseLayout.Params(scale=scale.reshape(n, 1), orig_dtype=compute_dtype, orig_shape=(n, k),
                                          outlier_index=None if index is None else index.to(weight.device))
         return QuantizedTensor(weight, LAYOUT, params)
+
+
+def _repeats_indexed_columns(weight: torch.Tensor, index: torch.Tensor, k: int) -> bool:
+    """Whether the stored ``[w | w[:, O] | w_lo[:, O]]`` has ``w[:, O]`` where ``index`` says (a cheap
+    check that the index belongs to this weight: ``N * r`` bytes compared)."""
+    r = index.numel()
+    copies = weight[:, k:k + r].view(torch.uint8)
+    return bool(torch.equal(copies, weight[:, :k].view(torch.uint8)[:, index.to(weight.device, torch.long)]))
 
 
 FP8_ROWWISE = FP8RowwiseCodec()
