@@ -43,24 +43,24 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_step(dm, args, device) -> dict:
-    """Two warm-up steps, then one step under the CUDA profiler: totals per category and top kernels (ms)."""
+def profile_step(step, device) -> dict:
+    """Two warm-up calls of ``step()`` (one denoiser step), then one under the CUDA profiler: totals per
+    category and top kernels (ms)."""
     from torch.profiler import ProfilerActivity, profile
 
-    x, t, ctx, y, g = args
     with torch.inference_mode():
         for _ in range(2):
-            dm(x, t, ctx, y=y, guidance=g)
+            step()
         bfs.sync(device)
         walls = []
         for _ in range(3):  # wall time of a step (GPU work and CPU launches overlapped, as a sampler runs it)
             t0 = time.perf_counter()
-            dm(x, t, ctx, y=y, guidance=g)
+            step()
             bfs.sync(device)
             walls.append((time.perf_counter() - t0) * 1000.0)
         activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
         with profile(activities=activities) as prof:
-            dm(x, t, ctx, y=y, guidance=g)
+            step()
             bfs.sync(device)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
@@ -109,10 +109,13 @@ def host_cost(layer, device, calls: int = 300) -> dict:
     out = {"module_us": round(per_call_us(lambda: layer(x)), 2)}
     fmt = getattr(layer, "lowbit_format", None)
     if fmt:
+        from lowbit.quant.compiled_linear import op_arguments, quantized_linear_op
         from lowbit.quant.formats import get_format
 
         codec = get_format(fmt)
         out["codec_linear_us"] = round(per_call_us(lambda: codec.linear(x, layer.weight, layer.bias)), 2)
+        op_args = op_arguments(fmt, x, layer.weight, layer.bias)  # what a compiled graph calls per layer
+        out["compiled_op_us"] = round(per_call_us(lambda: quantized_linear_op(*op_args)), 2)
         prof = cProfile.Profile()
         with torch.inference_mode():
             prof.enable()
@@ -125,11 +128,42 @@ def host_cost(layer, device, calls: int = 300) -> dict:
     return out
 
 
+def step_factory(a, device):
+    """``step(model_patcher)`` -> a zero-argument callable running one denoiser step of it: the diffusion
+    model called directly (eager), or through ``apply_model`` with the Compile Quantized Model node's
+    wrapper (``--compile``); through the Attention Backend node when ``--attention-backend`` is set."""
+    import gpu_bench_common as common
+
+    args = bfs.inputs(a.size, device)
+    inputs = common.flux_inputs(a.size, device)
+
+    def step(patcher):
+        if a.attention_backend:
+            from lowbit.kernels.attention import AttentionConfig
+            from lowbit.nodes.attention import apply_attention_backend
+
+            patcher = apply_attention_backend(patcher, AttentionConfig(backend=a.attention_backend))
+        if a.compile:
+            from lowbit.nodes.compile import CompileSettings, compile_model
+
+            torch._dynamo.reset()
+            return common.denoiser_call(compile_model(patcher, CompileSettings()), inputs)
+        x, t, ctx, y, g = args
+        options = dict(patcher.model_options.get("transformer_options", {}))
+        return lambda: patcher.model.diffusion_model(x, t, ctx, y=y, guidance=g, transformer_options=options)
+
+    return step
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(bfs.SIZES), default="dev")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--modes", nargs="+", default=["int8_convrot", "fp8", "fp8_rowwise", "w4a8"])
+    p.add_argument("--compile", action="store_true",
+                   help="profile the step compiled as the Compile Quantized Model node compiles it (inductor)")
+    p.add_argument("--attention-backend", default="",
+                   help="run through the Attention Backend node with this backend (e.g. auto); default: off")
     p.add_argument("--out", default="profile_flux_step.json")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -142,15 +176,16 @@ def main(argv=None) -> dict:
     report = {"size": a.size, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "runs": {}}
     base = bfs.build_flux(a.size, device)
-    args = bfs.inputs(a.size, device)
-    report["runs"]["bf16"] = profile_step(base.model.diffusion_model, args, device)
+    report.update(compile=a.compile, attention_backend=a.attention_backend or None)
+    step = step_factory(a, device)
+    report["runs"]["bf16"] = profile_step(step(base), device)
     report["runs"]["bf16"]["host"] = host_cost(base.model.diffusion_model.double_blocks[0].img_attn.qkv, device)
     log.info("bf16: %s", report["runs"]["bf16"]["by_category_ms"])
     for mode in a.modes:
         try:
             q = quantize_model(base, Policy(mode=mode))
             before = set(current_dispatcher().decisions)
-            row = profile_step(q.model.diffusion_model, args, device)
+            row = profile_step(step(q), device)
             row["host"] = host_cost(q.model.diffusion_model.double_blocks[0].img_attn.qkv, device)
             dispatcher = current_dispatcher()
             row["decisions"] = {k: v for k, v in dispatcher.decisions.items() if k not in before}
