@@ -144,6 +144,15 @@ def mark_dynamic_dims(value) -> None:
 _COMPILED: "weakref.WeakKeyDictionary[type, dict[tuple, Callable]]" = weakref.WeakKeyDictionary()
 
 
+def mode_options(mode: str) -> dict:
+    """The inductor options ``torch.compile(mode=mode)`` would use (``{}`` for ``default``)."""
+    if mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
 def compiled_forward(cls: type, settings: CompileSettings) -> Callable:
     """The ``torch.compile`` of ``cls.forward`` for ``settings``, made once per process.
 
@@ -154,9 +163,9 @@ def compiled_forward(cls: type, settings: CompileSettings) -> Callable:
     key = settings.compile_key()
     fn = per_class.get(key)
     if fn is None:
-        options = {"guard_filter_fn": skip_transformer_options_guards}
-        mode = None if settings.mode == "default" else settings.mode
-        fn = torch.compile(cls.forward, backend=settings.backend, mode=mode, fullgraph=settings.fullgraph,
+        # torch.compile takes a mode or options, not both: a mode is passed as the inductor options it stands for
+        options = {**mode_options(settings.mode), "guard_filter_fn": skip_transformer_options_guards}
+        fn = torch.compile(cls.forward, backend=settings.backend, fullgraph=settings.fullgraph,
                            dynamic=False if settings.dynamic == "static" else None, options=options)
         per_class[key] = fn
     return fn

@@ -306,6 +306,32 @@ def test_recompile_limit_is_raised_never_lowered():
         assert (config.recompile_limit, config.accumulated_recompile_limit) == (64, 512)
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_every_compile_mode_compiles(mode):
+    """Each of the node's modes reaches inductor (torch.compile refuses a mode together with options, and
+    the node passes its guard filter as an option). On the CPU inductor skips CUDA graphs by itself."""
+    from lowbit.nodes.compile import compiled_forward, mode_options
+
+    assert mode_options(mode) and mode_options("default") == {}
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, transformer_options=None):
+            return torch.nn.functional.gelu(self.lin(x)) * 2
+
+    block = Block()
+    x = torch.randn(3, 8)
+    torch._dynamo.reset()
+    counters.clear()
+    fn = compiled_forward(Block, CompileSettings(mode=mode, fullgraph=True))
+    with torch.no_grad():
+        torch.testing.assert_close(fn(block, x, transformer_options={"i": 1}), block(x))
+    assert graphs() == 1
+
+
 @contextlib.contextmanager
 def as_dynamic(model_patcher):
     """A clone that says it is a Dynamic VRAM patcher (real ones need CUDA and comfy-aimdo), with a layer
