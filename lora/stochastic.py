@@ -8,7 +8,9 @@ seeded generator. The base codes are grid points, so only the delta's part is ra
 weight equals base + delta on average (no LoRA rounded away, no drift), and a strong LoRA never clips.
 
 Layouts without an in-basis rule here (``w4a8``'s codebook packing, and any future layout) take
-the general path: dequantize, add, requantize with the codec's options and seed. ``w4a8`` stochastic
+the general path: dequantize, add, requantize with the codec's options and seed. So do
+``fp8_rowwise`` weights with outlier channels (``[N, K + 2r]`` codes, two e4m3 terms on the indexed
+channels): requantizing keeps their ``outlier_index`` (the layout's ``requantize_kwargs``). ``w4a8`` stochastic
 requantization needs comfy-kitchen >= 0.2.40; older kitchens round to nearest (logged once).
 """
 
@@ -83,6 +85,8 @@ def merge_deltas(codec: FormatCodec, qt: QuantizedTensor, deltas: Sequence[Delta
     if seed is not None:
         generator = torch.Generator(device=qt._qdata.device).manual_seed(int(seed))
     rule = _IN_BASIS.get(qt._layout_cls)
+    if getattr(qt._params, "outlier_index", None) is not None:
+        rule = None  # the in-basis FP8 rule reads [N, K] codes; an outlier layer stores [N, K + 2r]
     if rule is None:
         weight, rescaled = _requantize(codec, qt, active, seed, layer)
         return MergeResult(weight, rescaled, scales, "requantize")
