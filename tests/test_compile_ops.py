@@ -95,6 +95,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t  # float8 has no CPU equality
 
 
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_op_runs_the_bound_runner_with_the_codec_linears_bits(fmt, monkeypatch):
+    """The op's steady state (the codec's bound runner, cached per kind of call) gives exactly what the
+    codec's full ``linear`` gives, for float32 and bfloat16 inputs, with and without a bias."""
+    import lowbit.quant.compiled_linear as cl
+
+    layer = QuantLinear(fmt, 64, HIDDEN, seed=5)
+    bound = []
+    real_bound_runner = cl._bound_runner
+    monkeypatch.setattr(cl, "_bound_runner", lambda *a: bound.append(real_bound_runner(*a)) or bound[-1])
+    for x in (randn(3, 7, HIDDEN, seed=6, dtype=torch.bfloat16), randn(5, HIDDEN, seed=7)):
+        for bias in (layer.bias, None):
+            args = op_arguments(fmt, x, layer.weight, bias)
+            full = cl._run(fmt, x, layer.weight, args[3], None, "auto")
+            out = quantized_linear_op(*args)
+            assert out.dtype == x.dtype and torch.equal(out, full)
+    assert len(bound) == 4
+    # every format binds on the CPU but per-tensor fp8, whose linear there is kitchen's (no FP8 kernel)
+    assert all(runner is None for runner in bound) if fmt == "fp8" else all(runner is not None for runner in bound)
+
+
 def test_bad_spec_is_a_clear_error():
     with pytest.raises(CompiledLinearError, match="not a LowBit linear spec"):
         parse_spec("int8|TensorWiseINT8Layout")
