@@ -93,10 +93,14 @@ def _w8a8_mm_kernel(
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
-        else:
+        elif ACC_INT32:
             k_ok = offs_k[None, :] < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok, other=0)
             b = tl.load(b_ptrs, mask=k_ok, other=0)
+        else:  # FP8 codes: the fill must be a float (an integer 0 does not cast to e4m3)
+            k_ok = offs_k[None, :] < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok, other=0.0)
         if ACC_INT32:
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
         else:
