@@ -31,6 +31,7 @@ What the node does (each point is a fix for a way stock compile goes wrong on qu
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import types
 import uuid
@@ -153,6 +154,24 @@ def mode_options(mode: str) -> dict:
     return dict(list_mode_options(mode))
 
 
+def on_copied_inputs(forward: Callable) -> Callable:
+    """``forward`` run on copies of its tensor arguments, inside the compiled graph.
+
+    Inductor's CUDA graphs skip a graph that mutates its inputs ("skipping cudagraphs due to mutated
+    inputs"), and ComfyUI's blocks add into theirs in place (Flux: ``img += ...``), so with
+    ``reduce-overhead`` / ``max-autotune`` no block ran as a CUDA graph. The copies are made inside
+    the graph, where the in-place adds become out-of-place ones; the blocks' callers use the returned
+    tensors, never their inputs' new contents.
+    """
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        return forward(self, *args, **kwargs)
+
+    return run
+
+
 def compiled_forward(cls: type, settings: CompileSettings) -> Callable:
     """The ``torch.compile`` of ``cls.forward`` for ``settings``, made once per process.
 
@@ -165,7 +184,10 @@ def compiled_forward(cls: type, settings: CompileSettings) -> Callable:
     if fn is None:
         # torch.compile takes a mode or options, not both: a mode is passed as the inductor options it stands for
         options = {**mode_options(settings.mode), "guard_filter_fn": skip_transformer_options_guards}
-        fn = torch.compile(cls.forward, backend=settings.backend, fullgraph=settings.fullgraph,
+        target = cls.forward
+        if options.get("triton.cudagraphs"):
+            target = on_copied_inputs(target)
+        fn = torch.compile(target, backend=settings.backend, fullgraph=settings.fullgraph,
                            dynamic=False if settings.dynamic == "static" else None, options=options)
         per_class[key] = fn
     return fn

@@ -332,6 +332,34 @@ def test_every_compile_mode_compiles(mode):
     assert graphs() == 1
 
 
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_cuda_graph_modes_compile_blocks_on_copies_of_their_inputs(mode):
+    """Inductor's CUDA graphs skip graphs that mutate their inputs, and ComfyUI's blocks add into theirs
+    in place: with a CUDA-graph mode the compiled block works on copies (the caller's tensor keeps its
+    values, the output is the same); other modes leave the block as written."""
+    from lowbit.nodes.compile import compiled_forward
+
+    class AddsInPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, img, transformer_options=None):
+            img += self.lin(img)
+            return img * 2
+
+    block = AddsInPlace()
+    x = torch.randn(3, 8)
+    expected = block(x.clone())
+    torch._dynamo.reset()
+    fn = compiled_forward(AddsInPlace, CompileSettings(mode=mode, fullgraph=True))
+    before = x.clone()
+    with torch.no_grad():
+        out = fn(block, x)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(x, before) == (mode == "reduce-overhead")
+
+
 @contextlib.contextmanager
 def as_dynamic(model_patcher):
     """A clone that says it is a Dynamic VRAM patcher (real ones need CUDA and comfy-aimdo), with a layer
