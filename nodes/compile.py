@@ -207,12 +207,19 @@ def repeated_blocks(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.n
     return found
 
 
-def _runner(compiled: Callable, dynamic: bool) -> Callable:
+def _runner(compiled: Callable, dynamic: bool, copy_outputs: bool = False) -> Callable:
+    """A block's forward through ``compiled``. ``copy_outputs`` (CUDA-graph modes): the outputs are
+    copied out of the CUDA graph's memory pool. All the blocks of a class replay one compiled function,
+    and each call of it starts a new "generation" for inductor's CUDA graph trees, which reuses the
+    pool the previous call's outputs live in: the next block would read overwritten inputs."""
     def forward(self, *args, **kwargs):
         if dynamic:
             mark_dynamic_dims(args)
             mark_dynamic_dims(tuple(kwargs.values()))
-        return compiled(self, *args, **kwargs)
+        out = compiled(self, *args, **kwargs)
+        if copy_outputs:
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        return out
 
     return forward
 
@@ -271,8 +278,10 @@ class CompileWrapper:
     def _install(self, regions) -> list[tuple[torch.nn.Module, object]]:
         installed = []
         dynamic = self.settings.dynamic == "tokens"
+        cuda_graphs = mode_options(self.settings.mode).get("triton.cudagraphs")
         for _, module in regions:
-            forward = types.MethodType(_runner(compiled_forward(type(module), self.settings), dynamic), module)
+            forward = types.MethodType(_runner(compiled_forward(type(module), self.settings), dynamic,
+                                               copy_outputs=bool(cuda_graphs)), module)
             installed.append((module, module.__dict__.get("forward", _ABSENT)))
             module.forward = forward
         return installed
