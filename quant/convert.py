@@ -24,7 +24,7 @@ import torch
 from .checkpoint import CheckpointReader, CheckpointWriter, lowbit_metadata, open_checkpoint
 from .errors import CheckpointFormatError, LowBitError
 from .policy import Plan, Policy
-from .quantize import quantize_layer
+from .quantize import QuantizeOptions, quantize_layer
 from .safetensors_file import check_output_path
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
                  progress: Callable[[int, int], None] | None = None,
                  extra_entries: Callable[[str, str], Mapping[str, torch.Tensor]] | None = None,
                  extra_metadata: Mapping[str, str] | None = None,
-                 transform_weight: Callable[[str, str, torch.Tensor], torch.Tensor] | None = None) -> ConversionReport:
+                 transform_weight: Callable[[str, str, torch.Tensor], torch.Tensor] | None = None,
+                 quantize_options: QuantizeOptions | None = None) -> ConversionReport:
     """Quantize the float checkpoint ``src`` under ``policy`` into a new native checkpoint ``dst``.
 
     ``extra_entries(layer, format)`` may add tensors next to each quantized layer (a calibrated
@@ -71,6 +72,11 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
     the ``[out, in]`` weight as read (fp32 unless quantizing on a ``device`` from a 16-bit source),
     on the CPU, and must return a float tensor of the same shape. Layers kept in float and other
     tensors are written as read. Whatever it adds to the file goes through ``extra_entries``.
+
+    ``quantize_options(layer, format)`` may give each quantized layer's codec extra keyword options
+    (``{"outlier_channels": index}`` for an ``fp8_rowwise`` layer with calibrated outlier channels,
+    say; see :func:`quant.quantize.quantize_weight`); an option the layer's format does not take
+    raises before that layer is written (and the partial output is removed).
 
     ``progress(done, total)`` is called after each source tensor (``total`` = tensors in ``src``).
     The source's header metadata is carried over, plus ``lowbit_version``, ``lowbit_policy`` and
@@ -107,7 +113,9 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
                             tensor = tensor.float()
                         if transform_weight is not None:
                             tensor = _transformed(transform_weight, layer, fmt, tensor)
-                        writer.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device))
+                        options = quantize_options(layer, fmt) if quantize_options is not None else None
+                        writer.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device,
+                                                     options=options))
                         if extra_entries is not None:
                             writer.update(extra_entries(layer, fmt))
                     del tensor

@@ -6,13 +6,14 @@ file converted on disk and a state dict converted in memory are identical.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Callable, Mapping
 
 import torch
 from comfy_kitchen.tensor import QuantizedTensor
 
-from .errors import NonFiniteWeightError
+from .errors import LowBitError, NonFiniteWeightError
 from .formats import get_format
 from .native import layer_tensors
 from .policy import Plan, Policy
@@ -34,33 +35,70 @@ def check_finite(name: str, weight: torch.Tensor) -> None:
         )
 
 
+#: what a caller may give per layer: ``(layer, format) -> keyword options of that format's codec.quantize``
+QuantizeOptions = Callable[[str, str], Mapping[str, object]]
+
+
+def check_quantize_options(name: str, fmt: str, options: Mapping[str, object]) -> dict[str, object]:
+    """``options`` as a dict, after checking that format ``fmt``'s codec takes each of them.
+
+    A per-layer option the codec does not know (outlier channels for an ``int8`` layer, say) is an
+    error, not a silently ignored keyword: it means the caller's plan and its options disagree."""
+    if not isinstance(options, Mapping):
+        raise LowBitError(f"layer {name!r}: quantize options must be a mapping of keyword arguments, found "
+                          f"{type(options).__name__}; fix the quantize_options passed for this layer")
+    options = dict(options)
+    if not options:
+        return options
+    reserved = sorted({"compute_dtype", "seed"} & set(options))
+    parameters = inspect.signature(get_format(fmt).quantize).parameters
+    takes = {p for p, info in parameters.items() if info.kind is inspect.Parameter.KEYWORD_ONLY}
+    unknown = sorted(set(options) - takes) + reserved
+    if unknown:
+        allowed = sorted(takes - {"compute_dtype", "seed"})
+        raise LowBitError(f"layer {name!r} ({fmt}): the quantize option(s) {', '.join(unknown)} are not options of "
+                          f"this format (it takes: {', '.join(allowed) or 'none'}); give them only to layers of a "
+                          f"format that takes them")
+    return options
+
+
 def quantize_weight(weight: torch.Tensor, fmt: str, *, name: str = "weight",
                     compute_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                    device: torch.device | str | None = None) -> QuantizedTensor:
-    """Quantize one float ``[out, in]`` weight to format ``fmt`` (on ``device`` when given)."""
+                    device: torch.device | str | None = None,
+                    options: Mapping[str, object] | None = None) -> QuantizedTensor:
+    """Quantize one float ``[out, in]`` weight to format ``fmt`` (on ``device`` when given).
+
+    ``options`` are extra keyword arguments of the format's ``codec.quantize`` (``fp8_rowwise``:
+    ``outlier_channels``); one the codec does not take raises a :class:`LowBitError`."""
     codec = get_format(fmt)
+    options = check_quantize_options(name, fmt, options or {})
     check_finite(name, weight)
     if device is not None:
         weight = weight.to(device)
-    return codec.quantize(weight, compute_dtype=compute_dtype, seed=seed)
+    return codec.quantize(weight, compute_dtype=compute_dtype, seed=seed, **options)
 
 
 def quantize_layer(name: str, weight: torch.Tensor, fmt: str, *, compute_dtype: torch.dtype = torch.bfloat16,
-                   device: torch.device | str | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The native checkpoint entries (on CPU) of layer ``name`` quantized to ``fmt``."""
-    qt = quantize_weight(weight, fmt, name=name, compute_dtype=compute_dtype, seed=seed, device=device)
+                   device: torch.device | str | None = None, seed: int = 0,
+                   options: Mapping[str, object] | None = None) -> dict[str, torch.Tensor]:
+    """The native checkpoint entries (on CPU) of layer ``name`` quantized to ``fmt`` (``options``: as
+    :func:`quantize_weight`)."""
+    qt = quantize_weight(weight, fmt, name=name, compute_dtype=compute_dtype, seed=seed, device=device,
+                         options=options)
     return {k: v.to("cpu").contiguous() for k, v in layer_tensors(get_format(fmt), name, qt).items()}
 
 
 def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], policy: Policy | None = None, *,
                         compute_dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                         plan: Plan | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], Plan]:
+                        progress: Callable[[int, int], None] | None = None,
+                        quantize_options: QuantizeOptions | None = None) -> tuple[dict[str, torch.Tensor], Plan]:
     """Quantize a float state dict to the native checkpoint form.
 
     Returns the new state dict (quantized layers as ``weight`` + scales + ``comfy_quant``; every other
     tensor unchanged) and the plan that decided each layer. ``progress(done, total)`` is called
-    after each quantized layer.
+    after each quantized layer. ``quantize_options(layer, format)`` may give a layer's codec extra
+    keyword options (as :func:`quantize_weight`; ``fp8_rowwise``: ``outlier_channels``).
     """
     policy = policy or Policy()
     if plan is None:
@@ -74,7 +112,8 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], policy: Policy |
         if fmt is None:
             out[key] = tensor
             continue
-        out.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device))
+        options = quantize_options(layer, fmt) if quantize_options is not None else None
+        out.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device, options=options))
         done += 1
         if progress is not None:
             progress(done, len(chosen))
