@@ -305,13 +305,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
              f"policy {args.policy}" if args.policy else f"mode {mode}", policy.preset, device)
     with progress_bar(args, "quantizing", "tensor") as progress:
         if calibration is not None:
-            # formats from the policy, plus the calibrated static FP8 input scales and the SmoothQuant
-            # pre_quant_scales (smoothed weight + scale), for the formats the calibrating ComfyUI applied them to
+            # formats from the policy, plus the calibrated static FP8 input scales, the SmoothQuant
+            # pre_quant_scales (smoothed weight + scale) for the formats the calibrating ComfyUI applied them to,
+            # and the fp8_rowwise layers' outlier channels (weight [N, K + 2r] + weight_outlier_index)
             from .quant.calibration_apply import convert_calibrated
 
             report = convert_calibrated(src, out, policy, input_scales=calibration.input_scales(),
                                         pre_quant_scales=calibration.pre_quant_scales(),
                                         pre_quant_formats=calibration.config.pre_quant_formats,
+                                        outlier_channels=calibration.outlier_channels(),
                                         calibration_summary=calibration.metadata_summary(),
                                         compute_dtype=compute_dtype, device=device, overwrite=args.overwrite,
                                         progress=progress)
@@ -536,8 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--mode", choices=modes, metavar="MODE", help="one of: %(choices)s")
     q.add_argument("--policy", metavar="FILE",
                    help="a policy file (from 'lowbit calibrate', or a policy's JSON) instead of --mode/--preset/"
-                        "--ratio/--keep-float; a calibrated one also gives FP8 layers their static input_scale and "
-                        "smoothed layers their pre_quant_scale (the weight stored smoothed)")
+                        "--ratio/--keep-float; a calibrated one also gives FP8 layers their static input_scale, "
+                        "smoothed layers their pre_quant_scale (the weight stored smoothed) and fp8_rowwise layers "
+                        "their outlier channels")
     q.add_argument("--preset", default=None, choices=presets, metavar="PRESET",
                    help="architecture preset, one of: %(choices)s (default: auto = detect from the layer names)")
     q.add_argument("--ratio", type=float, default=None, metavar="R",

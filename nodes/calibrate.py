@@ -39,6 +39,7 @@ from comfy_api.latest import io, ui
 
 from ..quant.calibrate import OBJECTIVES, SMOOTHING_MODES, CalibrationConfig, CalibrationResult, calibrate, parse_policy
 from ..quant.calibration_measure import takes_input_scale
+from ..quant.calibration_outliers import FP8_ROWWISE
 from ..quant.calibration_pre_quant import PRE_QUANT_SCALE, carries_pre_quant_scale
 from ..quant.calibration_samples import record_linear_inputs
 from ..quant.errors import LowBitError
@@ -235,11 +236,14 @@ def _other_bytes(dm: torch.nn.Module, calibrated: set[str]) -> int:
 
 def apply_policy(model_patcher, policy: Policy, input_scales: dict[str, float] | None = None, *,
                  pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
+                 outlier_channels: Mapping[str, torch.Tensor] | None = None,
                  calibration: CalibrationResult | None = None,
                  progress: Callable[[int, int], None] | None = None):
     """A quantized copy of ``model_patcher`` under ``policy``, FP8 layers carrying their static input scales
     and the layers in ``pre_quant_scales`` stored smoothed with theirs, where this ComfyUI allows it for
-    the layer's format (else that layer is quantized unsmoothed, without its input scale, and a warning logged).
+    the layer's format (else that layer is quantized unsmoothed, without its input scale, and a warning logged),
+    and the ``fp8_rowwise`` layers in ``outlier_channels`` (``CalibrationResult.outlier_channels()``) quantized
+    with theirs (a layer the plan does not quantize as ``fp8_rowwise``: not used, a warning logged).
 
     ``calibration``: the calibration behind ``policy``; its per-layer errors and checkpoint summary are
     recorded on the result's ``lowbit_info`` (a :class:`CalibrationRecord`, for the Report and Save nodes)."""
@@ -255,7 +259,9 @@ def apply_policy(model_patcher, policy: Policy, input_scales: dict[str, float] |
                         len(named - known), min(named - known))
     input_scales = dict(input_scales or {})
     smoothing = _carried_pre_quant_scales(model_patcher, policy, pre_quant_scales or {}, input_scales)
-    result = quantize_model(model_patcher, policy, progress=progress, pre_quant_scales=smoothing)
+    outliers = _planned_outlier_channels(model_patcher, policy, outlier_channels or {})
+    result = quantize_model(model_patcher, policy, progress=progress, pre_quant_scales=smoothing,
+                            outlier_channels=outliers)
     record = CalibrationRecord.from_result(calibration) if calibration is not None else None
     _set_input_scales(result, input_scales)
     _record_calibration(result, record)
@@ -292,6 +298,20 @@ def _carried_pre_quant_scales(model_patcher, policy: Policy, pre_quant_scales: M
         log.warning("LowBit: %d layer(s) of the policy carry a pre_quant_scale that this ComfyUI would not apply to "
                     "their format, or are not quantized (e.g. %s as %s); quantized unsmoothed", len(refused),
                     refused[0], formats.get(refused[0], "float"))
+    return out
+
+
+def _planned_outlier_channels(model_patcher, policy: Policy,
+                              outlier_channels: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The outlier channels of the layers the plan quantizes as ``fp8_rowwise`` (the others are warned about)."""
+    if not outlier_channels:
+        return {}
+    formats = {d.name: d.format for d in plan_for(model_patcher, policy).quantized}
+    out = {name: index for name, index in outlier_channels.items() if formats.get(name) == FP8_ROWWISE}
+    unused = sorted(set(outlier_channels) - set(out))
+    if unused:
+        log.warning("LowBit: %d outlier-channel set(s) name layers this plan does not quantize as fp8_rowwise "
+                    "(e.g. %s as %s); not used", len(unused), unused[0], formats.get(unused[0], "float"))
     return out
 
 
@@ -416,5 +436,7 @@ class LowBitApplyPolicy(io.ComfyNode):
     def execute(cls, model, policy: str) -> io.NodeOutput:
         parsed, scales, calibration = policy_and_scales(policy)
         smoothing = calibration.pre_quant_scales() if calibration is not None else {}
-        return io.NodeOutput(apply_policy(model, parsed, scales, pre_quant_scales=smoothing, calibration=calibration,
+        outliers = calibration.outlier_channels() if calibration is not None else {}
+        return io.NodeOutput(apply_policy(model, parsed, scales, pre_quant_scales=smoothing,
+                                          outlier_channels=outliers, calibration=calibration,
                                           progress=progress_bar("quantizing with policy")))

@@ -2,7 +2,8 @@
 
 Stable API (the Quantize, Load, Save and Report nodes use it):
 
-``quantize_model(model_patcher, policy, *, compute_dtype=None, progress=None, backend="auto") -> ModelPatcher``
+``quantize_model(model_patcher, policy, *, compute_dtype=None, progress=None, backend="auto",
+pre_quant_scales=None, outlier_channels=None) -> ModelPatcher``
     A new ModelPatcher over a new model; ``model_patcher`` and its model are not changed. Weight
     patches pending on the input (a stock LoRA) are baked into the weights first, each exactly once,
     and dropped from the result, so the result carries no patches of its own. Each Linear the plan
@@ -46,7 +47,7 @@ from ..quant.errors import LowBitError
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.native import COMFY_QUANT, decode_comfy_quant
 from ..quant.policy import Plan, Policy
-from ..quant.quantize import quantize_weight
+from ..quant.quantize import check_quantize_options, quantize_weight
 from .comfy_ops import (COMPUTE_DTYPES, PRE_QUANT_SCALE, LowBitOpsConfig, default_dequantize_formats,
                         lowbit_linear_class, mark_quantized, module_codec, set_pre_quant_scale)
 
@@ -279,6 +280,7 @@ def model_compute_dtype(model) -> torch.dtype:
 def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *, plan: Plan | None = None,
                       requantize: bool = False, bake_patches: bool = False,
                       pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
+                      outlier_channels: Mapping[str, torch.Tensor] | None = None,
                       progress: Callable[[int, int], None] | None = None) -> Plan:
     """Quantize the Linears of ``model_patcher``'s own model as the plan says (the caller owns the model).
 
@@ -287,12 +289,17 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
     ``model_patcher.patches`` of the quantized layers into their weights (the caller then drops
     them). ``pre_quant_scales``: ``{layer: [K] scale}`` (names relative to the diffusion model): those
     layers store ``W diag(1 / scale)`` and carry the scale (the caller checked their formats may).
+    ``outlier_channels``: ``{layer: int32 [r] channels}`` for ``fp8_rowwise`` layers (calibrated, see
+    ``quant/calibration_outliers.py``): those layers are quantized with them (weight ``[N, K + 2r]``);
+    a layer the plan does not quantize as ``fp8_rowwise`` raises a :class:`LowBitError`.
     Returns the plan used.
     """
     pre_quant_scales = dict(pre_quant_scales or {})
     plan = plan or plan_for(model_patcher, policy, requantize=requantize)
     if not plan.quantized:
         raise _nothing_to_quantize(model_patcher, plan)
+    outlier_channels = dict(outlier_channels or {})
+    _check_outlier_layers(plan, outlier_channels)
     dm = model_patcher.model.diffusion_model
     device = model_patcher.load_device
     compute_dtype = config.compute_dtype or model_compute_dtype(model_patcher.model)
@@ -317,7 +324,9 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
         if scale is not None:
             check_pre_quant_scale(decision.name, scale, weight.shape[1])
             weight = smoothed_weight(weight, scale.to(device))
-        qt = quantize_weight(weight, decision.format, name=decision.name, compute_dtype=compute_dtype)
+        channels = outlier_channels.get(decision.name)
+        options = None if channels is None else {"outlier_channels": channels}
+        qt = quantize_weight(weight, decision.format, name=decision.name, compute_dtype=compute_dtype, options=options)
         del weight
         module.__class__ = lowbit_linear_class(type(module), classes)
         mark_quantized(module, get_format(decision.format), qt.to(device=home), config)
@@ -327,16 +336,34 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
     return plan
 
 
+def _check_outlier_layers(plan: Plan, outlier_channels: Mapping[str, torch.Tensor]) -> None:
+    """Every layer given outlier channels must be one the plan quantizes in a format that takes them
+    (checked before any weight is touched)."""
+    planned = {d.name: d.format for d in plan.quantized}
+    missing = sorted(set(outlier_channels) - set(planned))
+    if missing:
+        raise LowBitError(
+            f"outlier channels were given for {len(missing)} layer(s) the plan does not quantize (e.g. "
+            f"{missing[0]!r}); expected fp8_rowwise layers of this model's plan (names relative to the diffusion "
+            f"model). Pass only the plan's fp8_rowwise layers (a calibrated policy's outlier_channels() are).")
+    for name, channels in outlier_channels.items():
+        check_quantize_options(name, planned[name], {"outlier_channels": channels})
+
+
 def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype | None = None,
                    progress: Callable[[int, int], None] | None = None, backend: str = "auto",
-                   pre_quant_scales: Mapping[str, torch.Tensor] | None = None):
+                   pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
+                   outlier_channels: Mapping[str, torch.Tensor] | None = None):
     """A quantized copy of ``model_patcher`` (see the module docstring); the input is not changed.
 
-    ``pre_quant_scales``: layers stored smoothed with a ``pre_quant_scale`` (see :func:`quantize_in_place`)."""
+    ``pre_quant_scales``: layers stored smoothed with a ``pre_quant_scale``; ``outlier_channels``:
+    ``fp8_rowwise`` layers quantized with their calibrated outlier channels (both as
+    :func:`quantize_in_place`)."""
     diffusion_model_of(model_patcher)
     plan = plan_for(model_patcher, policy)
     if not plan.quantized:
         raise _nothing_to_quantize(model_patcher, plan)
+    _check_outlier_layers(plan, outlier_channels or {})
     ensure_unpatched(model_patcher, offloaded=True)
     source = model_patcher.model
     config = LowBitOpsConfig(compute_dtype=compute_dtype or model_compute_dtype(source), backend=backend,
@@ -345,12 +372,13 @@ def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype 
     patched = model_patcher.clone(model_override=(new_model, ({}, {}, {}, set())))
     patched.patches = {k: list(v) for k, v in model_patcher.patches.items()}  # read by quantize_in_place only
     quantize_in_place(patched, policy, config, plan=plan, bake_patches=True, pre_quant_scales=pre_quant_scales,
-                      progress=progress)
+                      outlier_channels=outlier_channels, progress=progress)
     baked = _bake_remaining_patches(model_patcher, new_model, plan)
     _finish_copy(patched, model_patcher)
     new_model.lowbit_info = LowBitModelInfo(source="quantized in memory", plan=plan, policy=policy.to_dict(),
                                             ops=config.to_dict(), baked_patches=baked)
-    patched.cached_patcher_init = _reload_recipe(model_patcher, policy, compute_dtype, backend, pre_quant_scales)
+    patched.cached_patcher_init = _reload_recipe(model_patcher, policy, compute_dtype, backend, pre_quant_scales,
+                                                 outlier_channels)
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(plan.counts().items()))
     log.info("LowBit: quantized %s in memory (mode=%s, preset=%s; %s; %d LoRA/weight patches baked)",
              type(source).__name__, plan.mode, plan.preset, counts, baked)
@@ -383,17 +411,20 @@ def _finish_copy(patched, source_patcher) -> None:
     patched.cached_hook_patches = {}
 
 
-def _reload_recipe(model_patcher, policy: Policy, compute_dtype, backend: str, pre_quant_scales=None):
+def _reload_recipe(model_patcher, policy: Policy, compute_dtype, backend: str, pre_quant_scales=None,
+                   outlier_channels=None):
     """``cached_patcher_init`` for the quantized patcher: rebuild the source, re-apply patches, quantize."""
     source_init = getattr(model_patcher, "cached_patcher_init", None)
     if source_init is None:
         return None
     patches = {k: list(v) for k, v in model_patcher.patches.items()}
-    return (reload_quantized, (source_init, policy, compute_dtype, backend, patches, dict(pre_quant_scales or {})))
+    return (reload_quantized, (source_init, policy, compute_dtype, backend, patches, dict(pre_quant_scales or {}),
+                               dict(outlier_channels or {})))
 
 
 def reload_quantized(source_init, policy: Policy, compute_dtype, backend: str, patches: dict,
-                     pre_quant_scales: dict | None = None, disable_dynamic: bool = False):
+                     pre_quant_scales: dict | None = None, outlier_channels: dict | None = None,
+                     disable_dynamic: bool = False):
     """Rebuild a model :func:`quantize_model` made (ComfyUI's ``cached_patcher_init`` protocol)."""
     kwargs = {"disable_dynamic": True} if disable_dynamic else {}
     source = source_init[0](*source_init[1], **kwargs)
@@ -404,7 +435,7 @@ def reload_quantized(source_init, policy: Policy, compute_dtype, backend: str, p
         source.patches = {k: list(v) for k, v in patches.items()}
         source.patches_uuid = uuid.uuid4()
     return quantize_model(source, policy, compute_dtype=compute_dtype, backend=backend,
-                          pre_quant_scales=pre_quant_scales)
+                          pre_quant_scales=pre_quant_scales, outlier_channels=outlier_channels)
 
 
 # ---- copying a model without copying its weights ------------------------------------------------

@@ -1,0 +1,150 @@
+"""fp8_rowwise calibrated outlier channels end to end on the tiny Flux, in-process ComfyUI: Calibrate
+Policy gives fp8_rowwise layers outlier channels; Quantize with Policy (node path) and
+``python -m lowbit quantize --policy`` (converter path) both quantize those layers with them
+(weight ``[N, K + 2r]`` + ``weight_outlier_index``), bit-identically; Save Quantized Model writes
+them, and the saved file loads back through LowBit's loader with the same index, codes and outputs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from comfy_helpers import comfyui_path, require_comfy, run_flux, sqnr_db
+
+require_comfy()
+
+import folder_paths  # noqa: E402
+
+from lowbit.nodes.calibrate import LowBitApplyPolicy, LowBitCalibratePolicy  # noqa: E402
+from lowbit.nodes.loader import LoadSettings, load_lowbit_diffusion_model  # noqa: E402
+from lowbit.nodes.model_quant import native_state_dict, quantize_model, quantized_layers  # noqa: E402
+from lowbit.nodes.save import LowBitSaveQuantizedModel  # noqa: E402
+from lowbit.quant.calibrate import parse_policy  # noqa: E402
+from lowbit.quant.checkpoint import save_checkpoint  # noqa: E402
+from lowbit.quant.errors import LowBitError  # noqa: E402
+from lowbit.quant.layouts.fp8_rowwise import OUTLIER_INDEX  # noqa: E402
+from lowbit.quant.policy import Policy  # noqa: E402
+
+log = logging.getLogger(__name__)
+#: fp8_rowwise against w4a4 at a budget that leaves most layers in fp8_rowwise; the layer-output
+#: objective and no smoothing keep it fast (~15 s on the CPU)
+CALIBRATION = {"budget": "ratio:0.6", "candidates": "fp8_rowwise, w4a4", "steps": 2, "resolution": 128,
+               "smoothing": "off", "objective": "layer_output"}
+#: measured on the CPU: 12.7 dB for this mix (w4a4 layers dominate the error)
+MIN_SQNR_DB = 10.0
+TENSORS = ("weight", "weight_scale", OUTLIER_INDEX)
+
+
+@pytest.fixture(scope="module")
+def calibrated(float_model, tmp_path_factory):
+    """(policy file, its calibration, the model Quantize with Policy made from it)."""
+    policy_json, _ = LowBitCalibratePolicy.execute(model=float_model, **CALIBRATION).result
+    path = tmp_path_factory.mktemp("calibrated") / "policy.json"
+    path.write_text(policy_json)
+    _, calibration = parse_policy(policy_json)
+    model = LowBitApplyPolicy.execute(model=float_model, policy=policy_json).result[0]
+    return path, calibration, model
+
+
+def _outlier_weights(model) -> dict[str, object]:
+    return {name: qt for name, fmt, qt in quantized_layers(model)
+            if fmt == "fp8_rowwise" and qt._params.outlier_index is not None}
+
+
+def _save(model, folder, monkeypatch):
+    monkeypatch.setattr(folder_paths, "get_output_directory", lambda: str(folder))
+    node = LowBitSaveQuantizedModel.PREPARE_CLASS_CLONE({"hidden_inputs": {"PROMPT": {}, "EXTRA_PNGINFO": {}}})
+    node.execute(model=model, filename_prefix="outliers")
+    (saved,) = folder.glob("outliers_*.safetensors")
+    return saved
+
+
+def test_quantize_with_policy_gives_each_calibrated_layer_its_outlier_channels(float_model, float_output,
+                                                                             calibrated):
+    _, calibration, model = calibrated
+    channels = calibration.outlier_channels()
+    assert channels, "no fp8_rowwise layer got outlier channels on the tiny Flux: the premise of this test"
+    held = _outlier_weights(model)
+    assert set(held) == set(channels)
+    for name, qt in held.items():
+        n, k = qt.shape
+        assert torch.equal(qt._params.outlier_index.cpu(), channels[name])
+        assert tuple(qt._qdata.shape) == (n, k + 2 * channels[name].numel())
+    assert sqnr_db(float_output, run_flux(model)) > MIN_SQNR_DB
+
+
+def test_saved_file_reloads_with_the_same_outlier_layers_and_output(calibrated, tmp_path, monkeypatch):
+    _, calibration, model = calibrated
+    saved = _save(model, tmp_path, monkeypatch)
+    written = load_file(saved)
+    memory = native_state_dict(model)
+    for name in calibration.outlier_channels():
+        for suffix in TENSORS:
+            assert torch.equal(written[f"{name}.{suffix}"].view(torch.uint8),
+                               memory[f"{name}.{suffix}"].cpu().view(torch.uint8)), (name, suffix)
+    reloaded = load_lowbit_diffusion_model(str(saved), LoadSettings(mode="native"))
+    again, before = _outlier_weights(reloaded), _outlier_weights(model)
+    assert set(again) == set(before)
+    for name, qt in again.items():
+        assert torch.equal(qt._params.outlier_index.cpu(), before[name]._params.outlier_index.cpu())
+        assert torch.equal(qt._qdata.cpu().view(torch.uint8), before[name]._qdata.cpu().view(torch.uint8))
+        assert torch.equal(qt._params.scale.cpu(), before[name]._params.scale.cpu())
+    # each outlier layer's own output, and the whole model's
+    dm, dm_again = model.model.diffusion_model, reloaded.model.diffusion_model
+    name = sorted(again)[0]
+    x = torch.randn(7, again[name].shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float32)
+    module, module_again = dm.get_submodule(name), dm_again.get_submodule(name)
+    with torch.no_grad():
+        out = module(x.to(module.weight.device, torch.bfloat16))
+        out_again = module_again(x.to(module_again.weight.device, torch.bfloat16))
+    assert torch.equal(out.cpu(), out_again.cpu())
+    assert torch.equal(run_flux(reloaded), run_flux(model))
+
+
+def test_cli_quantize_with_the_policy_file_writes_the_same_outlier_layers(float_model, calibrated, tmp_path):
+    policy_path, calibration, model = calibrated
+    source = save_checkpoint({k: v.detach().cpu() for k, v in float_model.model.diffusion_model.state_dict().items()},
+                             tmp_path / "float.safetensors")
+    out = tmp_path / "cli.safetensors"
+    env = {**os.environ, "COMFYUI_PATH": str(comfyui_path())}
+    run = subprocess.run([sys.executable, "-m", "lowbit", "quantize", str(source), str(out), "--policy",
+                          str(policy_path)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "outlier channels to the codec" not in run.stderr, run.stderr  # no "written without them" warning
+    written, memory = load_file(out), native_state_dict(model)
+    indexed = {k[: -len(OUTLIER_INDEX) - 1] for k in written if k.endswith(OUTLIER_INDEX)}
+    assert indexed == set(calibration.outlier_channels())
+    for name in indexed:  # the converter and the node path quantize the same weights identically
+        for suffix in TENSORS:
+            assert torch.equal(written[f"{name}.{suffix}"].view(torch.uint8),
+                               memory[f"{name}.{suffix}"].cpu().view(torch.uint8)), (name, suffix)
+    reloaded = load_lowbit_diffusion_model(str(out), LoadSettings(mode="native"))
+    assert set(_outlier_weights(reloaded)) == indexed
+    assert torch.equal(run_flux(reloaded), run_flux(model))
+
+
+def test_quantize_model_refuses_outlier_channels_for_a_layer_it_does_not_quantize_so(float_model):
+    index = torch.arange(16, dtype=torch.int32)
+    with pytest.raises(LowBitError, match="outlier_channels are not options"):
+        quantize_model(float_model, Policy(mode="int8", preset="flux1"),
+                       outlier_channels={"double_blocks.0.img_attn.qkv": index})
+    with pytest.raises(LowBitError, match="does not quantize"):
+        quantize_model(float_model, Policy(mode="fp8_rowwise", preset="flux1"), outlier_channels={"no.such": index})
+
+
+def test_apply_policy_drops_outlier_channels_of_layers_not_in_fp8_rowwise_with_a_warning(float_model, caplog):
+    """A hand-edited policy that moved a calibrated layer to another format: its channels are not used."""
+    from lowbit.nodes.calibrate import apply_policy
+
+    index = torch.arange(16, dtype=torch.int32)
+    with caplog.at_level(logging.WARNING):
+        model = apply_policy(float_model, Policy(mode="int8", preset="flux1"),
+                             outlier_channels={"double_blocks.0.img_attn.qkv": index})
+    assert "not quantize as fp8_rowwise" in caplog.text
+    assert not [qt for _, _, qt in quantized_layers(model) if getattr(qt._params, "outlier_index", None) is not None]
