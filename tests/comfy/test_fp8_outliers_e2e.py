@@ -148,3 +148,46 @@ def test_apply_policy_drops_outlier_channels_of_layers_not_in_fp8_rowwise_with_a
                              outlier_channels={"double_blocks.0.img_attn.qkv": index})
     assert "not quantize as fp8_rowwise" in caplog.text
     assert not [qt for _, _, qt in quantized_layers(model) if getattr(qt._params, "outlier_index", None) is not None]
+
+
+def test_dynamic_and_stochastic_loras_keep_the_outlier_layers(calibrated):
+    """Dynamic mode adds its term on the outlier layer's output (weight untouched); Stochastic mode
+    swaps in a merged weight that keeps the layer's index and [N, K + 2r] layout, and detach restores it."""
+    from lowbit.lora.attach import DynamicLoras, StochasticMerge
+    from lowbit.lora.delta import LowRankDelta
+
+    _, _, model = calibrated
+    dm = model.model.diffusion_model
+    name, qt = sorted(_outlier_weights(model).items())[0]
+    module = dm.get_submodule(name)
+    n, k = qt.shape
+    g = torch.Generator().manual_seed(3)
+    lora = LowRankDelta(down=torch.randn(4, k, generator=g) * 0.05, up=torch.randn(n, 4, generator=g) * 0.05,
+                        alpha=4.0, strength=1.0)
+    x = torch.randn(5, k, generator=g).to(module.weight.device, torch.bfloat16)
+    with torch.no_grad():
+        base = module(x).float()
+    term = (x.float().cpu() @ lora.down.t() @ lora.up.t()).to(base.device)
+
+    dynamic = DynamicLoras(dm, {f"{name}.weight": [("a", lora)]})
+    dynamic.attach()
+    try:
+        with torch.no_grad():
+            with_dynamic = module(x).float()
+        assert module._parameters["weight"]._qdata is qt._qdata  # the weight is not touched
+    finally:
+        dynamic.detach()
+    assert sqnr_db(base + term, with_dynamic) > 35.0
+
+    stochastic = StochasticMerge(dm, {f"{name}.weight": [("a", lora)]}, seed=7)
+    stochastic.attach()
+    try:
+        merged = module._parameters["weight"]
+        assert torch.equal(merged._params.outlier_index.cpu(), qt._params.outlier_index.cpu())
+        assert tuple(merged._qdata.shape) == tuple(qt._qdata.shape)
+        with torch.no_grad():
+            with_merge = module(x).float()
+    finally:
+        stochastic.detach()
+    assert sqnr_db(base + term, with_merge) > 20.0
+    assert torch.equal(module._parameters["weight"]._qdata.view(torch.uint8), qt._qdata.view(torch.uint8))
