@@ -550,7 +550,8 @@ class LowBitCompileQuantizedModel(io.ComfyNode):
                                "aot_eager / eager: debugging (trace only, no speed-up)."),
                 io.Combo.Input("mode", options=list(MODES), default="default", optional=True,
                                tooltip="inductor's mode. max-autotune tries more kernel configurations (slow first "
-                               "run); reduce-overhead adds CUDA graphs."),
+                               "run); reduce-overhead adds CUDA graphs, which quantized models need to keep a fast "
+                               "GPU fed (H200, Flux: 1.46x compiled bf16 against 1.35x with default)."),
                 io.Combo.Input("scope", options=list(SCOPES), default="blocks", optional=True,
                                tooltip="blocks: compile each repeated transformer block class once (fast first run). "
                                "diffusion_model: compile the whole forward."),
