@@ -350,8 +350,11 @@ class LowBitLinearMixin:
             scale = self._parameters.get(PRE_QUANT_SCALE)
             if scale is not None:  # back to the stored (smoothed) space, see convert_weight
                 weight = weight.float() / scale.to(device=weight.device, dtype=torch.float32)
+            # fp8_rowwise layers keep their calibrated outlier channels through a patch (a merged LoRA)
+            index = getattr(getattr(self.weight, "_params", None), "outlier_index", None)
             weight = requantize(codec, weight, dtype=self.weight.dtype, seed=seed or 0,
-                                layer=self.__dict__.get("seed_key", ""))
+                                layer=self.__dict__.get("seed_key", ""),
+                                options={} if index is None else {"outlier_channels": index})
         if return_weight:
             return weight
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -395,15 +398,17 @@ _SEEDLESS_WARNED: set[str] = set()
 
 
 def requantize(codec: FormatCodec, weight: torch.Tensor, *, dtype: torch.dtype, seed: int = 0,
-               layer: str = "") -> QuantizedTensor:
+               layer: str = "", options: dict | None = None) -> QuantizedTensor:
     """Quantize a patched float ``weight`` back to ``codec``'s format (ComfyUI's ``set_weight``).
 
     ``seed > 0`` asks for stochastic rounding, as ComfyUI does when it merges a LoRA into a
     quantized weight; a format that cannot round stochastically here rounds to nearest (logged once).
+    ``options``: the format's own quantize options the layer was made with (fp8_rowwise's outlier channels).
     """
     compute_dtype = dtype if dtype in COMPUTE_DTYPES else torch.bfloat16
+    options = options or {}
     try:
-        return codec.quantize(weight, compute_dtype=compute_dtype, seed=seed)
+        return codec.quantize(weight, compute_dtype=compute_dtype, seed=seed, **options)
     except ValueError:
         if seed <= 0:
             raise
@@ -411,7 +416,7 @@ def requantize(codec: FormatCodec, weight: torch.Tensor, *, dtype: torch.dtype, 
             _SEEDLESS_WARNED.add(codec.spec.name)
             log.warning("LowBit: %s cannot round stochastically with this comfy-kitchen; patched weights "
                         "(e.g. %s) are rounded to nearest", codec.spec.name, layer or "a LoRA layer")
-        return codec.quantize(weight, compute_dtype=compute_dtype, seed=0)
+        return codec.quantize(weight, compute_dtype=compute_dtype, seed=0, **options)
 
 
 def lowbit_linear_class(base: type, classes: dict[type, type]) -> type:

@@ -16,7 +16,6 @@ refusing the same inputs as ``convert_file`` (it uses that module's checks).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -76,12 +75,8 @@ def convert_calibrated(src: str | os.PathLike, dst: str | os.PathLike, policy: P
     outliers = _outliers_for(chosen, outlier_channels or {}, prefix)
     options = {}
     if outliers:
-        if "quantize_options" in inspect.signature(convert_file).parameters:
-            options["quantize_options"] = lambda layer, fmt: ({"outlier_channels": outliers[layer]}
-                                                               if layer in outliers else {})
-        else:  # see docs/calibration.md: the converter must pass per-layer options to the codec
-            log.warning("LowBit: this converter cannot pass outlier channels to the codec; %d fp8_rowwise layer(s) "
-                        "are written without them (plain e4m3)", len(outliers))
+        options["quantize_options"] = lambda layer, fmt: ({"outlier_channels": outliers[layer]}
+                                                           if layer in outliers else {})
     extra = None
     if calibration_summary is not None:
         extra = {LOWBIT_CALIBRATION_KEY: json.dumps(dict(calibration_summary), sort_keys=True)}

@@ -191,3 +191,28 @@ def test_dynamic_and_stochastic_loras_keep_the_outlier_layers(calibrated):
         stochastic.detach()
     assert sqnr_db(base + term, with_merge) > 20.0
     assert torch.equal(module._parameters["weight"]._qdata.view(torch.uint8), qt._qdata.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_a_stock_weight_patch_keeps_the_outlier_channels(calibrated, seed):
+    """ComfyUI's own LoRA merge (``set_weight``, standard mode) requantizes the patched weight: an
+    fp8_rowwise layer keeps its calibrated outlier channels and its hi+lo split."""
+    _, _, model = calibrated
+    name, qt = next(iter(_outlier_weights(model).items()))
+    module = model.model.diffusion_model.get_submodule(name.removeprefix("diffusion_model."))
+    original = qt.dequantize().float()
+    delta = 0.01 * original.abs().mean() * torch.randn(original.shape, generator=torch.Generator().manual_seed(3))
+    patched = module.set_weight(original + delta, seed=seed, return_weight=True)
+    assert patched._params.outlier_index is not None
+    assert torch.equal(patched._params.outlier_index, qt._params.outlier_index)
+    assert patched._qdata.shape == qt._qdata.shape
+    target = original + delta
+    assert sqnr_db(target, patched.dequantize().float()) > 25
+    if seed == 0:  # rounded to nearest: the indexed channels carry a second e4m3 term, the others do not
+        index = qt._params.outlier_index.long()
+        err = (patched.dequantize().float() - target).pow(2)
+        others = torch.ones(target.shape[1], dtype=torch.bool)
+        others[index] = False
+        indexed_rel = err[:, index].sum() / target[:, index].pow(2).sum()
+        others_rel = err[:, others].sum() / target[:, others].pow(2).sum()
+        assert indexed_rel < others_rel / 100, (float(indexed_rel), float(others_rel))
