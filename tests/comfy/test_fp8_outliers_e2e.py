@@ -101,9 +101,13 @@ def test_saved_file_reloads_with_the_same_outlier_layers_and_output(calibrated, 
     x = torch.randn(7, again[name].shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float32)
     module, module_again = dm.get_submodule(name), dm_again.get_submodule(name)
     with torch.no_grad():
-        out = module(x.to(module.weight.device, torch.bfloat16))
-        out_again = module_again(x.to(module_again.weight.device, torch.bfloat16))
+        # on a GPU the first call of a shape times the kernel candidates, whose roundings differ in the
+        # last bit: the compared calls are the settled ones
+        for _ in range(2):
+            out = module(x.to(module.weight.device, torch.bfloat16))
+            out_again = module_again(x.to(module_again.weight.device, torch.bfloat16))
     assert torch.equal(out.cpu(), out_again.cpu())
+    run_flux(reloaded), run_flux(model)
     assert torch.equal(run_flux(reloaded), run_flux(model))
 
 
@@ -162,12 +166,13 @@ def test_dynamic_and_stochastic_loras_keep_the_outlier_layers(calibrated):
     module = dm.get_submodule(name)
     n, k = qt.shape
     g = torch.Generator().manual_seed(3)
-    lora = LowRankDelta(down=torch.randn(4, k, generator=g) * 0.05, up=torch.randn(n, 4, generator=g) * 0.05,
-                        alpha=4.0, strength=1.0)
-    x = torch.randn(5, k, generator=g).to(module.weight.device, torch.bfloat16)
+    dev = module.weight.device  # the LoRA's tensors live where the model does, as the LoRA nodes put them
+    lora = LowRankDelta(down=(torch.randn(4, k, generator=g) * 0.05).to(dev),
+                        up=(torch.randn(n, 4, generator=g) * 0.05).to(dev), alpha=4.0, strength=1.0)
+    x = torch.randn(5, k, generator=g).to(dev, torch.bfloat16)
     with torch.no_grad():
         base = module(x).float()
-    term = (x.float().cpu() @ lora.down.t() @ lora.up.t()).to(base.device)
+    term = x.float() @ lora.down.t() @ lora.up.t()
 
     dynamic = DynamicLoras(dm, {f"{name}.weight": [("a", lora)]})
     dynamic.attach()
@@ -201,7 +206,8 @@ def test_a_stock_weight_patch_keeps_the_outlier_channels(calibrated, seed):
     name, qt = next(iter(_outlier_weights(model).items()))
     module = model.model.diffusion_model.get_submodule(name.removeprefix("diffusion_model."))
     original = qt.dequantize().float()
-    delta = 0.01 * original.abs().mean() * torch.randn(original.shape, generator=torch.Generator().manual_seed(3))
+    delta = 0.01 * original.abs().mean() * torch.randn(original.shape, generator=torch.Generator().manual_seed(3)
+                                                       ).to(original.device)
     patched = module.set_weight(original + delta, seed=seed, return_weight=True)
     assert patched._params.outlier_index is not None
     assert torch.equal(patched._params.outlier_index, qt._params.outlier_index)
@@ -211,7 +217,7 @@ def test_a_stock_weight_patch_keeps_the_outlier_channels(calibrated, seed):
     if seed == 0:  # rounded to nearest: the indexed channels carry a second e4m3 term, the others do not
         index = qt._params.outlier_index.long()
         err = (patched.dequantize().float() - target).pow(2)
-        others = torch.ones(target.shape[1], dtype=torch.bool)
+        others = torch.ones(target.shape[1], dtype=torch.bool, device=target.device)
         others[index] = False
         indexed_rel = err[:, index].sum() / target[:, index].pow(2).sum()
         others_rel = err[:, others].sum() / target[:, others].pow(2).sum()
