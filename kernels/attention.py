@@ -18,6 +18,7 @@ Nothing here imports ComfyUI; ``nodes/attention.py`` adapts ComfyUI's attention 
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -118,10 +119,15 @@ def _bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=16)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def shape_key(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> tuple:
     """What a decision is kept for: device (and capability), dtype, batch, heads, token buckets, head dim, mask."""
     device = q.device
-    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    cap = _capability(device.index) if device.type == "cuda" else None
     mask = None if attn_mask is None else (attn_mask.dtype, attn_mask.dim())
     return (device.type, cap, q.dtype, q.shape[0], q.shape[1], k.shape[1], _bucket(q.shape[2]), _bucket(k.shape[2]),
             q.shape[3], mask)
@@ -177,19 +183,21 @@ class AttentionChooser:
                 return comfy
             return lambda: finish(sdpa(name, q, k, v, attn_mask, **extra))
 
+        backend = self.config.backend
+        if _is_compiling() or _capturing(q.device):
+            # Nothing is measured or looked up per shape while tracing or capturing: a lookup would
+            # guard the compiled graph on the token count (a recompile per resolution). SDPA runs with
+            # the configured backend first (cuDNN for auto), the others behind it.
+            if backend == "auto" or backend in SDPA_BACKENDS:
+                self._count("priority")
+                return finish(sdpa_priority("cudnn" if backend == "auto" else backend, q, k, v, attn_mask, **extra))
+            return self._run_fixed(backend, candidate, comfy, None)
         key = shape_key(q, k, attn_mask)
         name = self.decisions.get(key)
         if name is None:
-            names = self.config.candidate_names()
-            if _is_compiling() or _capturing(q.device):
-                # nothing is measured while tracing or capturing: a fixed backend, or SDPA cuDNN-first
-                self._count("priority" if self.config.backend == "auto" else names[0])
-                if self.config.backend == "auto":
-                    return finish(sdpa_priority("cudnn", q, k, v, attn_mask, **extra))
-                return self._run_fixed(names[0], candidate, comfy, key)
-            if len(names) == 1:
-                return self._run_fixed(names[0], candidate, comfy, key)
-            name = self._measure(key, names, candidate, q.device)
+            if backend != "auto":
+                return self._run_fixed(backend, candidate, comfy, key)
+            name = self._measure(key, self.config.candidate_names(), candidate, q.device)
         self._count(name)
         return candidate(name)()
 
@@ -201,7 +209,8 @@ class AttentionChooser:
                 self._warned.add((name, key))
                 log.warning("LowBit attention: %s cannot run this call (%s: %s); using ComfyUI's attention",
                             name, type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
-            self.failures.setdefault(key, {})[name] = f"{type(err).__name__}: {err}"[:300]
+            if key is not None:
+                self.failures.setdefault(key, {})[name] = f"{type(err).__name__}: {err}"[:300]
             self._count("comfy")
             return comfy()
         self._count(name)

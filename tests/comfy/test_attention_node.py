@@ -168,3 +168,33 @@ def test_config_validation():
     assert AttentionConfig(backend="auto").candidate_names()[0] == "comfy"
     assert "kitchen_int8" in AttentionConfig(allow_lossy=True).candidate_names()
     assert "kitchen_int8" not in AttentionConfig().candidate_names()
+
+
+def test_compiled_model_with_the_node_does_not_recompile_for_another_resolution(stock):
+    """The compile node marks token counts dynamic: the attention override must not specialize on them
+    (a decision looked up per token bucket would guard on the exact count and recompile per size)."""
+    from torch._dynamo.utils import counters
+
+    from lowbit.nodes.compile import CompileSettings, compile_model
+
+    def run_sized(patcher, size):
+        comfy.model_management.load_models_gpu([patcher])
+        dev = patcher.load_device
+        gen = torch.Generator().manual_seed(size)
+        x, ctx, y = (torch.randn(1, 16, size, size, generator=gen), torch.randn(1, 8, 64, generator=gen),
+                     torch.randn(1, 32, generator=gen))
+        options = {**patcher.model_options.get("transformer_options", {}), "wrappers": patcher.wrappers}
+        with torch.no_grad():
+            return patcher.model.apply_model(x.to(dev), torch.full((1,), 0.6, device=dev), c_crossattn=ctx.to(dev),
+                                             y=y.to(dev), guidance=torch.full((1,), 3.5, device=dev),
+                                             transformer_options=options).float().cpu()
+
+    torch._dynamo.reset()
+    patched = apply_attention_backend(stock, AttentionConfig())
+    eager = {size: run_sized(patched, size) for size in (16, 24)}  # eager calls measure both token buckets
+    compiled = compile_model(patched, CompileSettings(backend="aot_eager", fullgraph=True))
+    out = run_sized(compiled, 16)
+    graphs = counters["stats"]["unique_graphs"]
+    out24 = run_sized(compiled, 24)
+    assert counters["stats"]["unique_graphs"] == graphs, "a new resolution recompiled the blocks"
+    assert sqnr_db(eager[16], out) > 40 and sqnr_db(eager[24], out24) > 40
