@@ -23,8 +23,9 @@ of a packed byte tile (``kernels/triton_w4_gemm.py``).
 with the int32 index vector ``O`` (``r`` entries, one L2-resident read of ``r`` values per row), and
 the low (residual) and high codes are written at columns ``K .. K + 2r`` on the row's own scale.
 
-FP8 codes are rounded to nearest-even by hand before the cast, so the cast is exact on every
-backend (the CPU interpreter's own float8 cast drops mantissa carries).
+FP8 codes: on a GPU the hardware cast rounds to nearest-even; elsewhere (the CPU interpreter, whose
+own float8 cast drops mantissa carries) they are rounded by hand first, so the cast is exact. The
+hand rounding cost 3 µs of 14 at M = 4096, K = 3072 on an H200.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import interpreting
 from .hadamard import hadamard_matrix
 from .launcher import TritonLauncher
 from .reference import FP8
@@ -77,7 +79,7 @@ def _act_quant_kernel(
     M, K, R, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-    OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr,
+    OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,7 +119,10 @@ def _act_quant_kernel(
     y = tl.minimum(tl.maximum(x * inv[:, None], -qmax), qmax)
     q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
     if OUT_FP8:
-        tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+        if HW_FP8_CAST:  # the GPU's own cast rounds to nearest-even (saturating; y is already clamped)
+            tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
         if R_BLOCK > 0:  # outlier columns: the plain path compiles without this block
             r_cols = tl.arange(0, R_BLOCK)
             r_ok = r_cols < R
@@ -164,7 +169,8 @@ def _launch_shape(m: int, k: int, rotate: bool, tile_elements: int, num_warps: i
     block_m = max(1, min(16, tile_elements // block_k, _pow2_at_least(m)))
     tile = block_m * block_k
     if num_warps is None:
-        num_warps = 4 if tile <= 4096 else 8 if tile <= 8192 else 16
+        # 16 warps were slower everywhere on an H200 (a 16384-wide rotated row: 136 us against 90 us with 8)
+        num_warps = 4 if tile <= 4096 else 8
     return block_m, block_k, num_warps, -(-m // block_m)
 
 
@@ -217,7 +223,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
          outlier_index if r else scale, m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm)),
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
-             R_BLOCK=max(16, _pow2_at_least(r)) if r else 0),
+             R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting()),
         num_warps=num_warps,
     )
     return q, scale, mean
