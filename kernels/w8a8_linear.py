@@ -212,6 +212,50 @@ class _TritonW8A8Plan:
         return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, self.out_dtype, self.config)
 
 
+def triton_gemm_names(device: torch.device, m: int, k: int) -> list[str]:
+    """The ``triton:<config>`` candidates of an INT8/FP8 GEMM with ``m`` rows and reduction length ``k``:
+    the tile configs worth measuring on this GPU (the CPU interpreter: the default one)."""
+    configs = w8a8_candidates(capability(device), m) if device.type == "cuda" else [default_config(m)]
+    k_aligned = k % 16 == 0  # TMA descriptors need 16-byte row strides
+    # a ragged K (K + 2r with outlier columns) is a masked K tail: every tile config runs it
+    return [f"triton:{c.name}" for c in configs if k_aligned or not c.tma]
+
+
+def torch_mm_ok(device: torch.device, fp8: bool, m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
+    """Whether :func:`torch_scaled_mm` (``torch._int_mm`` / ``torch._scaled_mm``) takes an ``[M, K] x [N, K]``
+    product of INT8 (``fp8`` False) or e4m3 codes on ``device``: CUDA (FP8: sm_89+) with N and K multiples
+    of 16 (INT8: of 8, and more than 16 rows), or any INT8 product on the CPU."""
+    if fp8:
+        return (device.type == "cuda" and capability(device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
+                and out_dtype in (torch.bfloat16, torch.float16, torch.float32))
+    return device.type == "cpu" or (device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0)
+
+
+def torch_scaled_mm(q: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, row_shift: torch.Tensor | None, col_shift: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """``lowbit::w8a8_mm``'s product on torch's GEMMs: ``torch._int_mm`` (INT8 codes) or ``torch._scaled_mm``
+    with row-wise scales (e4m3 codes), then the shift / bias epilogue. ``w_scale``: fp32 ``[N]`` or one
+    value; where it applies see :func:`torch_mm_ok`."""
+    n = weight.shape[0]
+    if q.dtype == FP8:
+        w_scale = w_scale.reshape(-1).expand(n).reshape(1, n).contiguous()
+        use_bias = bias is not None and out_dtype != torch.float32
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=w_scale,
+                               bias=bias.to(out_dtype) if use_bias else None, out_dtype=out_dtype)
+        if row_shift is None and (bias is None or use_bias):
+            return out
+        out = out.float()
+        bias = None if use_bias else bias
+    else:
+        out = torch._int_mm(q, weight.t()).float() * scale * w_scale.reshape(1, -1)
+    if row_shift is not None:
+        out = out + row_shift * col_shift.reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
 class _Plan:
     """The candidates of one call (built lazily: a cached decision builds only the one it runs)."""
 
@@ -253,23 +297,13 @@ class _Plan:
         return not self.fp8 and rot_ok and pre.smooth is None and pre.center_rowsum is None
 
     def _torch_ok(self) -> bool:
-        k, n = self.gemm_k, self.weight.shape[0]
-        if self.fp8:
-            return (self.device.type == "cuda" and capability(self.device) >= (8, 9) and k % 16 == 0 and n % 16 == 0
-                    and self.out_dtype in (torch.bfloat16, torch.float16, torch.float32))
-        return self.device.type == "cpu" or (self.device.type == "cuda" and self.x.shape[0] > 16
-                                             and k % 8 == 0 and n % 8 == 0)
+        return torch_mm_ok(self.device, self.fp8, self.x.shape[0], self.weight.shape[0], self.gemm_k, self.out_dtype)
 
     def names(self) -> list[str]:
         m = self.x.shape[0]
         triton_ok = self._triton_problem() is None
         on_gpu = self.device.type == "cuda"
-        triton = []
-        if triton_ok:
-            configs = w8a8_candidates(capability(self.device), m) if on_gpu else [default_config(m)]
-            k_aligned = self.gemm_k % 16 == 0  # TMA descriptors need 16-byte row strides
-            # a ragged K (K + 2r with outlier columns) is a masked K tail: every tile config runs it
-            triton = [f"triton:{c.name}" for c in configs if k_aligned or not c.tma]
+        triton = triton_gemm_names(self.device, m, self.gemm_k) if triton_ok else []
         torch_mm = ["torch"] if self._torch_ok() else []
         kitchen = ["kitchen"] if self._kitchen_ok() else []
         if on_gpu:  # the reference is never measured on a GPU (it cannot win); it runs when forced
@@ -309,24 +343,9 @@ class _Plan:
     def _torch_mm(self) -> torch.Tensor:
         act_impl = "triton" if self._triton_problem() is None and self.device.type == "cuda" else "eager"
         q, scale, mean = self._act_quant(act_impl)
-        n = self.weight.shape[0]
-        if self.fp8:
-            w_scale = self.w_scale.expand(n).reshape(1, n).contiguous()
-            use_bias = self.bias is not None and self.out_dtype != torch.float32
-            out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=w_scale,
-                                   bias=self.bias.to(self.out_dtype) if use_bias else None, out_dtype=self.out_dtype)
-            if self.pre.center_rowsum is None and (self.bias is None or use_bias):
-                return out
-            out = out.float()
-            bias = None if use_bias else self.bias
-        else:
-            out = torch._int_mm(q, self.weight.t()).float() * scale * self.w_scale.reshape(1, -1)
-            bias = self.bias
-        if self.pre.center_rowsum is not None:
-            out = out + mean * self.pre.center_rowsum.float().reshape(1, -1)
-        if bias is not None:
-            out = out + bias.float()
-        return out.to(self.out_dtype)
+        col_shift = None if self.pre.center_rowsum is None else self.pre.center_rowsum.float()
+        return torch_scaled_mm(q, self.weight, scale, self.w_scale, self.bias, mean if col_shift is not None else None,
+                               col_shift, self.out_dtype)
 
     def _kitchen(self) -> torch.Tensor:
         import comfy_kitchen as ck
