@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # shared memory per block (bytes) by compute capability; Triton needs a little for itself
 _SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024}
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?(-tmastore)?(-sub)?$")
 
 
 @dataclass(frozen=True)
@@ -28,18 +28,23 @@ class GemmConfig:
     tma: bool = False  # W8A8 kernel only, sm_90: operand tiles through TMA tensor descriptors
     warp_specialize: bool = False  # with tma: Triton's warp specialization (no effect seen on sm_90, Triton 3.6/3.8)
     persistent: bool = False  # with tma: one program per SM looping over output tiles
+    tma_store: bool = False  # the output tile leaves through a TMA store (contiguous outputs; else plain stores)
+    subtile: bool = False  # with tma_store: the tile is stored as two BLOCK_N / 2 halves (half the staging buffer)
 
     def __post_init__(self):
         for value, what in ((self.block_m, "block_m"), (self.block_n, "block_n"), (self.block_k, "block_k")):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"GemmConfig.{what} must be a power of two >= 16, got {value}")
+        if self.subtile and not self.tma_store:
+            raise ValueError("GemmConfig.subtile splits the TMA-stored output tile: it needs tma_store=True")
 
     @property
     def name(self) -> str:
         base = (f"{self.block_m}x{self.block_n}x{self.block_k}-g{self.group_m}"
                 f"-w{self.num_warps}-s{self.num_stages}")
         return (base + ("-swap" if self.swap_ab else "") + ("-tma" if self.tma else "")
-                + ("-ws" if self.warp_specialize else "") + ("-persistent" if self.persistent else ""))
+                + ("-ws" if self.warp_specialize else "") + ("-persistent" if self.persistent else "")
+                + ("-tmastore" if self.tma_store else "") + ("-sub" if self.subtile else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "GemmConfig":
@@ -48,12 +53,18 @@ class GemmConfig:
             raise ValueError(f"not a GEMM config name: {name!r} (expected like '128x256x128-g8-w8-s3')")
         bm, bn, bk, g, w, s = (int(v) for v in match.groups()[:6])
         return cls(bm, bn, bk, g, w, s, swap_ab=match.group(7) is not None, tma=match.group(8) is not None,
-                   warp_specialize=match.group(9) is not None, persistent=match.group(10) is not None)
+                   warp_specialize=match.group(9) is not None, persistent=match.group(10) is not None,
+                   tma_store=match.group(11) is not None, subtile=match.group(12) is not None)
 
-    def smem_bytes(self, a_bytes: float = 1.0, b_bytes: float = 1.0) -> int:
-        """Pipeline buffers: ``num_stages`` A and B tiles (element sizes in bytes)."""
+    def smem_bytes(self, a_bytes: float = 1.0, b_bytes: float = 1.0, c_bytes: float = 2.0) -> int:
+        """Pipeline buffers: ``num_stages`` A and B tiles (element sizes in bytes), plus the staging
+        buffer of a TMA-stored output tile (``c_bytes`` per element) where the kernel cannot reuse the
+        pipeline's buffers for it (persistent: the next tile's loads are in flight)."""
         per_stage = self.block_m * self.block_k * a_bytes + self.block_n * self.block_k * b_bytes
-        return int(per_stage * self.num_stages)
+        staging = 0
+        if self.tma_store and self.persistent:
+            staging = self.block_m * self.block_n * c_bytes // (2 if self.subtile else 1)
+        return int(per_stage * self.num_stages + staging)
 
     def fits(self, cap: tuple[int, int], a_bytes: float = 1.0, b_bytes: float = 1.0) -> bool:
         limit = _SMEM_LIMIT.get(cap, 99 * 1024 if cap < (9, 0) else 227 * 1024)
@@ -70,20 +81,27 @@ C = GemmConfig
 # Large M: 128x256 tiles (the issue's untuned start), deeper pipelines, 256-row tiles, and the same
 # through TMA descriptors (sm_90 only).
 _W8A8_LARGE = (
-    C(128, 256, 128, 8, 8, 3), C(128, 256, 128, 8, 8, 4), C(256, 128, 128, 8, 8, 3),
-    C(128, 256, 128, 8, 8, 3, tma=True), C(128, 256, 128, 8, 8, 4, tma=True), C(256, 128, 128, 8, 8, 3, tma=True),
-    C(256, 128, 128, 8, 8, 3, tma=True, persistent=True),
+    C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True),
+    C(128, 256, 128, 8, 8, 3, tma=True, persistent=True, tma_store=True, subtile=True),
+    C(256, 128, 128, 8, 8, 3, tma=True, tma_store=True, subtile=True),
+    C(128, 256, 128, 8, 8, 3), C(256, 128, 128, 8, 8, 3, tma=True, persistent=True),
+    C(128, 128, 128, 8, 8, 3), C(128, 128, 64, 8, 4, 4),  # plain loads and stores: also sm_80 / sm_89
 )
-# Not offered: 128x256x128 persistent at 3 or 4 stages. On H200 (Triton 3.6) the persistent kernel
-# keeps its pipeline buffers live through the epilogue and runs out of shared memory; offering them
-# made the dispatcher compile and fail them for every new shape. (Any other configuration that fails
-# that way is remembered per GPU by the dispatcher: ``Dispatcher.broken``.) Also measured and not kept:
-# 128x256x64 s4 (two consumer warpgroups of 64x256), plain TMA and persistent: 6-19% slower than the
-# best INT8 config on every issue shape at M = 4096, 2% faster on one FP8 shape.
+# Measured on an H200 (Triton 3.6, session 5; M = 4096, the five issue shapes, CUDA-graph time):
+# * the output tile stored through TMA (``tma_store``) beat every plain-store config. Best INT8:
+#   128x128x128, 4 warps, 3 stages, TMA in and out (1.64-2.01x bf16 GEMM alone, was 1.45-1.77x).
+#   Best FP8 on 4 shapes: persistent 128x256x128 with the epilogue stored in two halves (1.76-2.01x),
+#   and 256x128x128 TMA-stored halves or plain 128x256x128 on the fifth (3072 x 12288).
+# * Dropped from the list: 128x256x128 at 4 stages and the TMA-load-only variants (a few % slower than
+#   these everywhere), 128x256x64 / 256x128x64 at 4 stages (20-40% slower for INT8).
+# * 128x256x128 persistent with plain stores runs out of shared memory (the epilogue's layout change
+#   needs its own buffer while the pipeline's are live); with a TMA-stored half tile it fits.
 # Small M (<= 1024 rows): smaller tiles so the grid fills 132 SMs.
 _W8A8_SMALL = (
     C(64, 128, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4), C(64, 256, 128, 8, 8, 3), C(128, 64, 128, 8, 4, 4),
     C(128, 128, 128, 8, 4, 4, tma=True), C(64, 128, 128, 8, 4, 4, tma=True),
+    C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True), C(64, 128, 128, 8, 4, 4, tma=True, tma_store=True),
+    C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True),
 )
 # The 4-bit GEMM: the packed weight tile is half the bytes, the decode wants more rows per weight tile.
 _W4_LARGE = (

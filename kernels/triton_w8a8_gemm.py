@@ -48,9 +48,9 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
-def _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
-              offs_m, offs_n, M, N, stride_cm,
-              B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr):
+def _scaled(acc, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, offs_m, offs_n, M, N,
+            B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    """The fp32 output tile: ``acc * a_scale * b_scale (+ row_shift * col_shift) (+ bias)``."""
     m_ok = offs_m < M
     n_ok = offs_n < N
     a_scale = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)
@@ -65,8 +65,42 @@ def _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col
         out = out + row_shift[:, None] * col_shift[None, :]
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+              offs_m, offs_n, M, N, stride_cm,
+              B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    out = _scaled(acc, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, offs_m, offs_n, M, N,
+                  B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _store_out(acc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, off_m, off_n, M, N,
+               stride_cm, B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr,
+               TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write one output tile: through the TMA store descriptor ``c`` (``TMA_STORE``; rows and columns
+    past the descriptor's shape are clipped by the copy engine; ``SUBTILE``: as two ``BLOCK_N / 2``
+    halves, so the staging buffer is half the tile), or with masked stores through the pointer ``c``."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    if TMA_STORE:
+        out = _scaled(acc, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, offs_m, offs_n, M, N,
+                      B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+        if SUBTILE:
+            halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            c.store([off_m, off_n], left.to(c.dtype))
+            c.store([off_m, off_n + BLOCK_N // 2], right.to(c.dtype))
+        else:
+            c.store([off_m, off_n], out.to(c.dtype))
+    else:
+        _epilogue(acc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+                  offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
 
 
 @triton.jit
@@ -113,11 +147,11 @@ def _w8a8_mm_kernel(
 
 @triton.jit
 def _w8a8_mm_tma_kernel(
-    a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+    a_desc, b_desc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
     M, N, K, stride_cm,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """sm_90 variant: operand tiles arrive by TMA (the bulk tensor copy engine); out-of-range rows
     and a ragged K are zero-filled by the copy engine, so no masks at all."""
@@ -135,19 +169,17 @@ def _w8a8_mm_tma_kernel(
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a, b.T, acc, out_dtype=tl.float32)
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
-              offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+    _store_out(acc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, off_m, off_n, M, N,
+               stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _w8a8_mm_persistent_kernel(
-    a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+    a_desc, b_desc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
     M, N, K, stride_cm,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """sm_90 persistent variant: one program per SM walks the output tiles; with ``flatten`` the
     pipeliner overlaps a tile's epilogue with the next tile's TMA loads."""
@@ -174,10 +206,8 @@ def _w8a8_mm_persistent_kernel(
                 acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
             else:
                 acc = tl.dot(a, b.T, acc, out_dtype=tl.float32)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
-                  offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+        _store_out(acc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, off_m, off_n, M, N,
+                   stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
 
 
 def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -202,17 +232,29 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     if config.tma:
         a_desc = tma_descriptor(a, (config.block_m, config.block_k))
         b_desc = tma_descriptor(b, (config.block_n, config.block_k))
+        tma_store = config.tma_store and _tma_storable(out)
+        c = tma_descriptor(out, (config.block_m, config.block_n // (2 if config.subtile else 1))) if tma_store else out
+        store = dict(TMA_STORE=tma_store, SUBTILE=tma_store and config.subtile)
         if config.persistent:
             programs = min(tiles, _sm_count(a.device))
-            _PERSISTENT.launch((programs,), (a_desc, b_desc, out, a_scale, b_scale, *args, out.stride(0)),
-                               dict(**flags, NUM_PROGRAMS=programs, **tiles_flags), **options)
+            _PERSISTENT.launch((programs,), (a_desc, b_desc, c, a_scale, b_scale, *args, out.stride(0)),
+                               dict(**flags, NUM_PROGRAMS=programs, **store, **tiles_flags), **options)
         else:
-            _TMA.launch((tiles,), (a_desc, b_desc, out, a_scale, b_scale, *args, out.stride(0)),
-                        dict(**flags, WARP_SPECIALIZE=config.warp_specialize, **tiles_flags), **options)
+            _TMA.launch((tiles,), (a_desc, b_desc, c, a_scale, b_scale, *args, out.stride(0)),
+                        dict(**flags, WARP_SPECIALIZE=config.warp_specialize, **store, **tiles_flags), **options)
     else:
         _POINTER.launch((tiles,), (a, b, out, a_scale, b_scale, *args, a.stride(0), b.stride(0), out.stride(0)),
                         dict(**flags, EVEN_K=k % config.block_k == 0, **tiles_flags), **options)
     return out
+
+
+_STORABLE = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _tma_storable(out: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can describe ``out`` (row-major, 16-byte aligned base and row stride)."""
+    return (out.dtype in _STORABLE and out.stride(1) == 1 and out.data_ptr() % 16 == 0
+            and out.stride(0) * out.element_size() % 16 == 0)
 
 
 _POINTER = TritonLauncher(_w8a8_mm_kernel)

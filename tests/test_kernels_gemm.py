@@ -23,7 +23,10 @@ CONFIGS = [
     GemmConfig(16, 32, 32, 2, 4, 2),
     GemmConfig(32, 32, 64, 4, 4, 2, tma=True),
     GemmConfig(32, 32, 64, 4, 4, 2, tma=True, persistent=True),
+    GemmConfig(32, 32, 64, 4, 4, 2, tma=True, tma_store=True),
+    GemmConfig(32, 64, 64, 4, 4, 2, tma=True, persistent=True, tma_store=True, subtile=True),
 ]
+TMA_STORE = [c for c in CONFIGS if c.tma_store]
 
 
 def _mm(*args, **kwargs):
@@ -63,7 +66,7 @@ def test_epilogue_scales_shift_bias(per_channel):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("config", CONFIGS[:3], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", CONFIGS[:3] + TMA_STORE, ids=lambda c: c.name)
 def test_fp8_gemm(config):
     m, n, k = 33, 64, 256
     a = randn(m, k, seed=8, scale=40).clamp(-448, 448).to(FP8)
@@ -75,12 +78,40 @@ def test_fp8_gemm(config):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-3)
 
 
-def test_bf16_output():
+@pytest.mark.parametrize("config", [CONFIGS[1]] + TMA_STORE, ids=lambda c: c.name)
+def test_bf16_output(config):
     a, b = randint8(20, 64, seed=1), randint8(24, 64, seed=2)
-    out = _mm(a, b, torch.full((20, 1), 1e-3), torch.full((24,), 1e-2), None, None, None, torch.bfloat16, CONFIGS[1])
+    out = _mm(a, b, torch.full((20, 1), 1e-3), torch.full((24,), 1e-2), None, None, None, torch.bfloat16, config)
     ref = scaled_mm_reference(a, b, torch.full((20, 1), 1e-3), torch.full((24,), 1e-2), out_dtype=torch.float32)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", TMA_STORE, ids=lambda c: c.name)
+def test_tma_store_epilogue_scales_shift_bias_and_ragged_edges(config):
+    """The TMA-stored tile gets the same epilogue; rows and columns past the output are clipped (a
+    poisoned buffer with a guard band shows nothing outside was written and nothing inside was missed)."""
+    m, n, k = 45, 40, 128  # neither M nor N a multiple of the tile
+    a, b = randint8(m, k, seed=11), randint8(n, k, seed=12)
+    a_scale = torch.rand(m, 1, generator=torch.Generator().manual_seed(13)) * 1e-2
+    b_scale = torch.rand(n, generator=torch.Generator().manual_seed(14)) * 1e-2
+    bias, row_shift, col_shift = randn(n, seed=15), randn(m, seed=16), randn(n, seed=17)
+    big = torch.full((m + 3, 48), float("nan"))  # rows of 48 floats: 16-byte aligned, wider than n
+    out = big[:m, :n]
+    _mm(a, b, a_scale, b_scale, bias, row_shift, col_shift, torch.float32, config, out=out)
+    ref = scaled_mm_reference(a, b, a_scale, b_scale, bias, row_shift, col_shift, torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.isnan(big[m:]).all() and torch.isnan(big[:, n:]).all()
+
+
+def test_tma_store_falls_back_to_plain_stores_for_unaligned_outputs():
+    config = TMA_STORE[0]
+    m, n, k = 16, 30, 64
+    a, b = randint8(m, k, seed=18), randint8(n, k, seed=19)
+    big = torch.full((m, 31), float("nan"))  # a 124-byte row stride: no TMA descriptor can describe it
+    out = big[:, :n]
+    _mm(a, b, torch.ones(m, 1), torch.ones(n), None, None, None, torch.float32, config, out=out)
+    assert torch.equal(out, int8_accumulate_reference(a, b).float()) and torch.isnan(big[:, n]).all()
 
 
 def test_config_names_round_trip_and_reject_garbage():
@@ -91,6 +122,8 @@ def test_config_names_round_trip_and_reject_garbage():
         GemmConfig.from_name("fast")
     with pytest.raises(ValueError, match="power of two"):
         GemmConfig(48, 64, 64)
+    with pytest.raises(ValueError, match="tma_store"):
+        GemmConfig(64, 64, 64, subtile=True)
 
 
 def test_candidates_fit_the_gpu():
