@@ -22,6 +22,19 @@ Two decodes:
 
 ``SWAP_AB`` computes the transposed tile (the decoded weight as the left operand, which Hopper's
 ``wgmma`` can take from registers) and stores it transposed; the dispatcher measures both.
+
+sm_90 variants, picked by the :class:`GemmConfig` flags (the dispatcher measures them too):
+
+* ``tma`` – the activation halves and the packed weight tile arrive by TMA (bulk tensor copies
+  into shared memory, pipelined; the pointer loads of the weight tile are not, since they feed the
+  register decode); rows past ``M`` / ``N`` come back as zeros.
+* ``tma_store`` – the scaled output tile leaves through a TMA store (the copy engine clips rows and
+  columns past the output's shape); ``subtile`` stores it as two ``BLOCK_N / 2`` halves, half the
+  staging buffer. The scale / bias arithmetic is the pointer epilogue's, in the same order.
+* ``persistent`` – one program per SM walks the tiles in the grouped order.
+
+A flag whose requirement is missing (a GPU older than sm_90; a tensor that is not row-major with a
+16-byte-aligned base and row stride) runs that part through pointers instead: same results.
 """
 
 from __future__ import annotations
@@ -30,10 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreting
+from .backend import capability, interpreting
 from .gemm_config import GemmConfig
-from .launcher import TritonLauncher
-from .triton_w8a8_gemm import _epilogue, _tile_ids
+from .launcher import TritonLauncher, tma_descriptor
+from .triton_w8a8_gemm import _sm_count
 
 
 @triton.jit
@@ -67,30 +80,39 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
 
 
 @triton.jit
-def _w4a8_mm_kernel(
-    a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, s_ptr, table_ptr,
-    M, N, K, stride_am, stride_wn, stride_sn, stride_cm,
-    CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
-    SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, K, stride_am, stride_wn, stride_sn,
+             CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+             TMA_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``.
+
+    ``TMA_LOAD``: ``a`` and ``w`` are TMA descriptors (blocks ``[BLOCK_M, BLOCK_K / 2]`` and
+    ``[BLOCK_N, BLOCK_K / 2]``: the even and odd halves of the activation tile are two copies, so
+    each lands in shared memory as the tensor-core operand it is); rows past ``M`` / ``N`` arrive as
+    zeros. Otherwise they are pointers, read at clamped (valid) rows."""
     HALF: tl.constexpr = BLOCK_K // 2
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-    rows_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    offs_h = tl.arange(0, HALF)
-    a_even_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_h[None, :]
-    w_ptrs = w_ptr + rows_b[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    rows_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)  # the group-scale rows (codebook)
+    if not TMA_LOAD:
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
+        offs_h = tl.arange(0, HALF)
+        a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + offs_h[None, :]
+        w_ptrs = w + rows_b[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k in range(0, K // BLOCK_K):  # K is a multiple of BLOCK_K (checked by the launcher)
-        a_even = tl.load(a_even_ptrs)
-        a_odd = tl.load(a_even_ptrs + HALF)
-        packed = tl.load(w_ptrs)
+        if TMA_LOAD:
+            a_even = a.load([off_m, k * BLOCK_K])
+            a_odd = a.load([off_m, k * BLOCK_K + HALF])
+            packed = w.load([off_n, k * HALF])
+        else:
+            a_even = tl.load(a_even_ptrs)
+            a_odd = tl.load(a_even_ptrs + HALF)
+            packed = tl.load(w_ptrs)
+            a_even_ptrs += BLOCK_K
+            w_ptrs += HALF
         low, high = _decode_w4(packed, s_ptr, table_ptr, rows_b, k * HALF, stride_sn,
                                CODEBOOK, GROUP, USE_PTX, BLOCK_N, HALF)
         if SWAP_AB:
@@ -99,12 +121,82 @@ def _w4a8_mm_kernel(
         else:
             acc = tl.dot(a_even, tl.trans(low), acc, out_dtype=tl.int32)
             acc = tl.dot(a_odd, tl.trans(high), acc, out_dtype=tl.int32)
-        a_even_ptrs += BLOCK_K
-        w_ptrs += HALF
     if SWAP_AB:
         acc = tl.trans(acc)
-    _epilogue(acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, a_scale_ptr, a_scale_ptr,
-              offs_m, offs_n, M, N, stride_cm, True, HAS_BIAS, False)
+    return acc
+
+
+@triton.jit
+def _w4_scaled(acc, a_scale_ptr, w_scale_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS: tl.constexpr):
+    """The fp32 output tile ``acc * a_scale[m] * w_scale[n] (+ bias[n])``, in the W8A8 epilogue's order."""
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+    out = acc.to(tl.float32) * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
+def _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, off_m, off_n, M, N, stride_cm,
+              HAS_BIAS: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scale and write one output tile. ``TMA_STORE``: ``c`` is a TMA descriptor (block
+    ``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_M, BLOCK_N / 2]`` with ``SUBTILE``: two half stores, half the
+    staging buffer); the copy engine clips rows and columns past the output's shape. Otherwise ``c``
+    is the output pointer and the stores are masked."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    out = _w4_scaled(acc, a_scale_ptr, w_scale_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS)
+    if TMA_STORE:
+        if SUBTILE:
+            left, right = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            c.store([off_m, off_n], left.to(c.dtype))
+            c.store([off_m, off_n + BLOCK_N // 2], right.to(c.dtype))
+        else:
+            c.store([off_m, off_n], out.to(c.dtype))
+    else:
+        c_ptrs = c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, out.to(c.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _w4a8_mm_kernel(
+    a, w, c, a_scale_ptr, w_scale_ptr, bias_ptr, s_ptr, table_ptr,
+    M, N, K, stride_am, stride_wn, stride_sn, stride_cm,
+    CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
+    SWAP_AB: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+    PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One output tile a program, or (``PERSISTENT``) ``NUM_PROGRAMS`` programs walking the tiles in
+    the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the next
+    tile's loads."""
+    if PERSISTENT:
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
+                           stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_LOAD, BLOCK_M, BLOCK_N, BLOCK_K)
+            _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
+                      HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+        acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
+                       stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_LOAD, BLOCK_M, BLOCK_N, BLOCK_K)
+        _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
+                  HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile ``tile``'s (row, column) in groups of ``GROUP_M`` row-tiles (consecutive tiles share
+    weight columns in L2); the order of ``triton_w8a8_gemm._tile_ids``."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
 
 
 def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -114,7 +206,11 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     """Launch :func:`_w4a8_mm_kernel`. ``a``'s columns must be permuted in blocks of ``config.block_k``
     (evens, then odds). ``s_rel``/``table`` given ⇒ codebook decode, else signed nibbles.
 
-    ``out`` (tests: a poisoned buffer) receives the result when given.
+    The config's flags pick the variant: ``tma`` (operand tiles through TMA descriptors),
+    ``tma_store`` / ``subtile`` (the output tile through a TMA store, whole or in two halves),
+    ``persistent`` (one program per SM), ``swap_ab``. The TMA flags need sm_90 (or the CPU
+    interpreter) and tensors a descriptor can describe; where either is missing, that part runs
+    through pointers (same results). ``out`` (tests: a poisoned buffer) receives the result when given.
     """
     m, k = a.shape
     n = packed.shape[0]
@@ -124,22 +220,44 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     if m == 0 or n == 0:
         return out
     codebook = s_rel is not None
-    grid = (-(-m // config.block_m) * -(-n // config.block_n),)
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    half = config.block_k // 2
+    tma_ok = _tma_device(a.device)
+    tma_load = config.tma and tma_ok and _describable(a) and _describable(packed)
+    tma_store = getattr(config, "tma_store", False) and tma_ok and out.dtype in _STORABLE and _describable(out)
+    subtile = tma_store and getattr(config, "subtile", False)
+    a_arg = tma_descriptor(a, (config.block_m, half)) if tma_load else a
+    w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_load else packed
+    c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
+    programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
     _LAUNCHER.launch(
-        grid,
-        (a, packed, out, a_scale, w_scale, bias if bias is not None else a_scale,
+        (programs,),
+        (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
          s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
          m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0)),
         dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=bias is not None,
-             USE_PTX=_use_ptx(a), SWAP_AB=config.swap_ab, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-             BLOCK_K=config.block_k, GROUP_M=config.group_m),
+             USE_PTX=_use_ptx(a), SWAP_AB=config.swap_ab, TMA_LOAD=tma_load, TMA_STORE=tma_store, SUBTILE=subtile,
+             PERSISTENT=config.persistent, NUM_PROGRAMS=programs if config.persistent else 0,
+             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
 _LAUNCHER = TritonLauncher(_w4a8_mm_kernel)
+_STORABLE = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _use_ptx(a: torch.Tensor) -> bool:
     return a.is_cuda and not interpreting()
+
+
+def _tma_device(device: torch.device) -> bool:
+    """TMA descriptors: sm_90 and newer on a GPU; the CPU interpreter emulates them."""
+    return capability(device) >= (9, 0) if device.type == "cuda" else interpreting()
+
+
+def _describable(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can describe ``t``: row-major, 16-byte aligned base and row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and t.stride(0) * t.element_size() % 16 == 0)
