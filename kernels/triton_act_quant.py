@@ -43,6 +43,9 @@ from .reference import FP8
 
 MAX_BLOCK_K = 32768  # rows wider than this use the eager reference
 TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_K per program (registers: 8192 fp32 over 4-16 warps)
+ROTATE_IMPLS = {"permute": 0, "batched": 1, "dense": 2}  # the kernels' ROT_IMPL
+DEFAULT_ROTATE_IMPL = "permute"  # the original path until the variants are measured on a GPU
+DEFAULT_CHUNK = 0  # 0: whole rows in registers (the original kernel); > 0: the chunked kernel
 
 
 @triton.jit
@@ -74,11 +77,74 @@ def _dot_fp16(v, h, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _dot_fp16_left(h, v, PRECISE: tl.constexpr):
+    """``h @ v`` (batched: ``[B, 16, 16]``) for a ±1 fp16 ``h`` and fp32 ``|v| < 2``, rounded as :func:`_dot_fp16`."""
+    hi = v.to(tl.float16)
+    out = tl.dot(h, hi, out_dtype=tl.float32)
+    if PRECISE:
+        out += tl.dot(h, (v - hi.to(tl.float32)).to(tl.float16), out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB: tl.constexpr, TWO_STAGE: tl.constexpr,
+                        ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr):
+    """fp32 ``[SB, 256]`` rows of 256-wide super-blocks times ``blockdiag(H_G)``, normalized.
+
+    Each super-block is scaled by its own power of two to below 2 (exact, undone at the end), so the
+    fp16 operands hold 11 significant bits of the super-block's maximum. ``ROT_IMPL`` 1: the
+    ``P^T W`` stage is a batched product with ``P^T`` broadcast per super-block (no layout
+    permutes); 2: one dense 256×256 product with ``Pfull ⊗ H16`` (16× the FLOPs, no second stage).
+    """
+    sb_exp = tl.maximum((tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1)
+    x = x * ((254 - sb_exp) << 23).to(tl.float32, bitcast=True)[:, None]
+    if ROT_IMPL == 2:
+        r256 = tl.arange(0, 256)
+        hmat = tl.load(hmat_ptr + r256[:, None] * 256 + r256[None, :])  # ±1 fp16 Pfull ⊗ H16
+        w = _dot_fp16(x, hmat, PRECISE)
+    else:
+        r16 = tl.arange(0, 16)
+        qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 H16 (acts on the low index)
+        w = _dot_fp16(tl.reshape(x, (SB * 16, 16)), qmat, PRECISE)  # rows (super-block, a), cols d
+        if TWO_STAGE:
+            w3 = tl.reshape(w, (SB, 16, 16))
+            if ROT_IMPL == 1:
+                pt = tl.load(pmat_ptr + r16[None, :] * 16 + r16[:, None])  # P^T: rows c, cols a
+                pt = tl.broadcast_to(pt[None, :, :], (SB, 16, 16))
+                w = _dot_fp16_left(pt, w3 * 0.0625, PRECISE) * 16.0  # rows (super-block, c), cols d; /16: |.| < 2
+            else:
+                pmat = tl.load(pmat_ptr + r16[:, None] * 16 + r16[None, :])
+                wt = tl.reshape(tl.permute(w3, (0, 2, 1)), (SB * 16, 16))
+                z = _dot_fp16(wt * 0.0625, pmat, PRECISE)
+                w = tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1)) * 16.0
+        w = tl.reshape(w, (SB, 256))
+    return w * ((sb_exp << 23).to(tl.float32, bitcast=True) * rot_norm)[:, None]
+
+
+@triton.jit
+def _store_codes(q_ptrs, y, mask, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Store ``y`` (code units, clamped) as FP8 or INT8 codes, ``PERM_BLOCK``-permuted for INT8."""
+    if OUT_FP8:
+        if HW_FP8_CAST:
+            tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+    else:
+        q = _rint(y).to(tl.int8)
+        if PERM_BLOCK > 0:
+            q = tl.reshape(q, (BLOCK_M, WIDTH // PERM_BLOCK, PERM_BLOCK // 2, 2))
+            q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, WIDTH))
+        tl.store(q_ptrs, q, mask=mask)
+
+
+@triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr, outlier_ptr,
+    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, outlier_ptr,
     M, K, R, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
+    ROT_IMPL: tl.constexpr,
     OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -96,7 +162,12 @@ def _act_quant_kernel(
         mean = tl.sum(x, axis=1) / K
         x = tl.where(mask, x - mean[:, None], 0.0)
         tl.store(mean_ptr + rows, mean, mask=row_ok)
-    if ROTATE:
+    if ROTATE and ROT_IMPL > 0:  # per-super-block scaling, batched or dense products
+        SB_TILE: tl.constexpr = BLOCK_M * BLOCK_K // 256
+        x = tl.reshape(x, (SB_TILE, 256))
+        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB_TILE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+        x = tl.reshape(x, (BLOCK_M, BLOCK_K))
+    if ROTATE and ROT_IMPL == 0:  # the original path: one power of two per row, permutes around the P stage
         SB: tl.constexpr = BLOCK_M * BLOCK_K // 256  # 256-wide super-blocks in the tile
         # scale each row by 2^-e (exact) so |x| < 2 fits fp16; undone with the normalization below
         row_exp = tl.maximum((tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1)
@@ -144,6 +215,71 @@ def _act_quant_kernel(
         tl.store(q_ptrs, q, mask=mask)
 
 
+@triton.jit
+def _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, cols, K, mean, rot_norm,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr,
+                  ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr, ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr):
+    """fp32 ``[BLOCK_M, CHUNK]``: columns ``cols`` of the rows, smoothed, centred on ``mean``, rotated
+    (zero beyond ``K``). The same code on the same data in both passes, so both see the same values."""
+    col_ok = cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_SMOOTH:
+        x = x * tl.load(smooth_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if CENTER:
+        x = tl.where(mask, x - mean[:, None], 0.0)
+    if ROTATE:
+        SB: tl.constexpr = BLOCK_M * CHUNK // 256
+        x = tl.reshape(x, (SB, 256))
+        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL, PRECISE)
+        x = tl.reshape(x, (BLOCK_M, CHUNK))
+    return x
+
+
+@triton.jit
+def _act_quant_chunked_kernel(
+    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr,
+    M, K, stride_xm, stride_qm, qmax, rot_norm,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
+    ROT_IMPL: tl.constexpr, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+):
+    """The rows in ``CHUNK``-wide pieces over the real ``K`` (no padding to a power of two, few
+    registers): [a centring pass: the row sums], a pass for the row abs-max of the rotated values,
+    and a pass that recomputes them and stores the codes. Only the first pass reads ``x`` from
+    memory; the later ones find the program's rows in L2."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64) * stride_xm
+    q_rows = q_ptr + rows.to(tl.int64) * stride_qm
+    cols = tl.arange(0, CHUNK)
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    if CENTER:
+        total = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, CHUNK):
+            total += tl.sum(_chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K,
+                                          mean, rot_norm, BLOCK_M, CHUNK, HAS_SMOOTH, False, False, TWO_STAGE,
+                                          ROT_IMPL, OUT_FP8), axis=1)
+        mean = total / K
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+    amax = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, CHUNK):
+        y = _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K, mean, rot_norm,
+                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+        amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
+    amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
+    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
+    scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    for k0 in range(0, K, CHUNK):
+        y = _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K, mean, rot_norm,
+                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+        y = tl.minimum(tl.maximum(y * inv[:, None], -qmax), qmax)
+        mask = row_ok[:, None] & (k0 + cols < K)[None, :]
+        _store_codes(q_rows[:, None] + (k0 + cols)[None, :], y, mask, OUT_FP8, PERM_BLOCK, HW_FP8_CAST, BLOCK_M, CHUNK)
+
+
 @functools.lru_cache(maxsize=16)
 def _rotation_factors(kind: str, group_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
     """(±1 ``I ⊗ P`` 16×16, ±1 H16, 1/sqrt(G), whether the P stage is needed) as fp16 on ``device``."""
@@ -156,6 +292,13 @@ def _rotation_factors(kind: str, group_size: int, device: torch.device) -> tuple
     return (pfull.round().to(device=device, dtype=torch.float16).contiguous(),
             q16.round().to(device=device, dtype=torch.float16).contiguous(),
             1.0 / group_size**0.5, outer > 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_rotation(kind: str, group_size: int, device: torch.device) -> torch.Tensor:
+    """±1 fp16 ``Pfull ⊗ H16`` (256×256): one super-block's whole rotation, for ``rotate_impl="dense"``."""
+    pmat, qmat, _, _ = _rotation_factors(kind, group_size, device)
+    return torch.kron(pmat.float(), qmat.float()).to(torch.float16).contiguous()
 
 
 def _pow2_at_least(value: int) -> int:
@@ -174,6 +317,30 @@ def _launch_shape(m: int, k: int, rotate: bool, tile_elements: int, num_warps: i
     return block_m, block_k, num_warps, -(-m // block_m)
 
 
+@functools.lru_cache(maxsize=1024)
+def _chunked_launch_shape(m: int, chunk: int, tile_elements: int, num_warps: int | None) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, programs) of the chunked kernel."""
+    block_m = max(1, min(16, tile_elements // chunk, _pow2_at_least(m)))
+    if num_warps is None:
+        num_warps = 4 if block_m * chunk <= 4096 else 8
+    return block_m, num_warps, -(-m // block_m)
+
+
+def _check_variant(rotate_impl: str, chunk: int, rotate: bool, perm_block: int, outliers: bool) -> None:
+    if rotate_impl not in ROTATE_IMPLS:
+        raise ValueError(f"rotate_impl must be one of {sorted(ROTATE_IMPLS)}, got {rotate_impl!r}; "
+                         "use 'permute' (the original path) unless a measurement says otherwise")
+    if chunk:
+        if chunk & (chunk - 1) or chunk < (256 if rotate else 16):
+            raise ValueError(f"chunk must be 0 (whole rows) or a power of two of at least {256 if rotate else 16} "
+                             f"(whole 256-wide rotation super-blocks), got {chunk}")
+        if perm_block > chunk:
+            raise ValueError(f"perm_block {perm_block} is wider than the {chunk}-wide chunk; use a chunk of at least "
+                             f"{perm_block}")
+        if outliers:
+            raise ValueError("outlier columns are written by the whole-row kernel only: pass chunk=0")
+
+
 def act_quant_problem(k: int, rotation: str, group_size: int) -> str | None:
     """Why the Triton kernel cannot take rows of ``k`` features (``None`` when it can)."""
     if _pow2_at_least(k) > MAX_BLOCK_K:
@@ -186,7 +353,8 @@ def act_quant_problem(k: int, rotation: str, group_size: int) -> str | None:
 def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotation: str, group_size: int,
                      smooth: torch.Tensor | None, center: bool, perm_block: int = 0, out: torch.Tensor | None = None,
                      tile_elements: int | None = None, num_warps: int | None = None,
-                     outlier_index: torch.Tensor | None = None,
+                     outlier_index: torch.Tensor | None = None, rotate_impl: str | None = None,
+                     chunk: int | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
@@ -194,6 +362,14 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     ``num_warps`` override the program size (benchmark sweeps). ``outlier_index`` (int32 ``[r]``,
     FP8 without pre-processing only): the codes are ``[M, K + 2r]`` as
     :func:`lowbit.kernels.reference.act_quant_outliers_reference` (``None``: no extra work).
+
+    ``rotate_impl`` (``None``: :data:`DEFAULT_ROTATE_IMPL`) picks how the rotation is computed:
+    ``"permute"`` (the original: one power of two per row, layout permutes around the ``P`` stage),
+    ``"batched"`` (one power of two per 256-wide super-block, the ``P`` stage as a batched product),
+    ``"dense"`` (one 256×256 product per super-block). ``chunk`` (``None``: :data:`DEFAULT_CHUNK`;
+    ``0``: whole rows in registers, ``K`` padded to a power of two) > 0 runs the chunked kernel: the
+    rows in ``chunk``-wide pieces over the real ``K``, two passes (three when centring), with
+    ``tile_elements`` = ``BLOCK_M * chunk``. Every variant meets the same accuracy contract.
     """
     m, k = x.shape
     if x.stride(-1) != 1:
@@ -201,7 +377,17 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     rotate = rotation != "none"
     if tile_elements is None:  # measured on H200: 4096-element programs of 4 warps, rotated or not
         tile_elements = TILE_ELEMENTS // 2
+    rotate_impl = DEFAULT_ROTATE_IMPL if rotate_impl is None else rotate_impl
+    chunk = DEFAULT_CHUNK if chunk is None else chunk
+    if rotate_impl != "permute" or chunk:
+        _check_variant(rotate_impl, chunk, rotate, perm_block, outlier_index is not None and outlier_index.numel() > 0)
+    if chunk:
+        return _act_quant_chunked(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out,
+                                  tile_elements, num_warps, rotate_impl, chunk)
     block_m, block_k, num_warps, programs = _launch_shape(m, k, rotate, tile_elements, num_warps)
+    if rotate_impl == "dense" and rotate and block_m * block_k < 4096:
+        raise ValueError(f"rotate_impl='dense' needs at least 16 super-blocks a program (tile_elements >= 4096), "
+                         f"got {block_m} rows of {block_k}")
     if perm_block and (k % perm_block or perm_block % 2 or perm_block & (perm_block - 1) or out_dtype == FP8):
         raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features (INT8 codes only)")
     r = 0 if outlier_index is None else outlier_index.numel()
@@ -212,24 +398,58 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     q = torch.empty((m, k + 2 * r), dtype=out_dtype, device=x.device) if out is None else out
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     mean = torch.empty((m, 1), dtype=torch.float32, device=x.device) if center else _no_mean(x.device, m)
-    if rotate:
-        pmat, qmat, norm, two_stage = _rotation_factors(rotation, group_size, x.device)
-    else:
-        pmat = qmat = scale  # unused pointers
-        norm, two_stage = 1.0, False
+    pmat, qmat, hmat, norm, two_stage = _rotation_operands(rotation, group_size, rotate_impl, x.device, scale)
     _LAUNCHER.launch(
         (programs,),
-        (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat,
+        (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat, hmat,
          outlier_index if r else scale, m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm)),
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
-             TWO_STAGE=two_stage, OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
+             TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
              R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting()),
         num_warps=num_warps,
     )
     return q, scale, mean
 
 
+def _rotation_operands(rotation: str, group_size: int, rotate_impl: str, device: torch.device,
+                       unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, bool]:
+    """(P, H16, dense 256×256 or ``unused``, 1/sqrt(G), two-stage) for the kernels' rotation arguments."""
+    if rotation == "none":
+        return unused, unused, unused, 1.0, False
+    pmat, qmat, norm, two_stage = _rotation_factors(rotation, group_size, device)
+    hmat = _dense_rotation(rotation, group_size, device) if rotate_impl == "dense" else unused
+    return pmat, qmat, hmat, norm, two_stage
+
+
+def _act_quant_chunked(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out, tile_elements,
+                       num_warps, rotate_impl, chunk):
+    """:func:`act_quant_triton` through the chunked kernel (arguments already checked)."""
+    m, k = x.shape
+    rotate = rotation != "none"
+    block_m, num_warps, programs = _chunked_launch_shape(m, chunk, tile_elements, num_warps)
+    if rotate_impl == "dense" and rotate and block_m * chunk < 4096:
+        raise ValueError(f"rotate_impl='dense' needs at least 16 super-blocks a program (tile_elements >= 4096), "
+                         f"got {block_m} rows of {chunk}")
+    if perm_block and (k % perm_block or perm_block % 2 or perm_block & (perm_block - 1) or out_dtype == FP8):
+        raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features (INT8 codes only)")
+    q = torch.empty((m, k), dtype=out_dtype, device=x.device) if out is None else out
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    mean = torch.empty((m, 1), dtype=torch.float32, device=x.device) if center else _no_mean(x.device, m)
+    pmat, qmat, hmat, norm, two_stage = _rotation_operands(rotation, group_size, rotate_impl, x.device, scale)
+    _CHUNKED_LAUNCHER.launch(
+        (programs,),
+        (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat, hmat,
+         m, k, x.stride(0), q.stride(0), float(qmax), float(norm)),
+        dict(BLOCK_M=block_m, CHUNK=chunk, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
+             TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], OUT_FP8=out_dtype == FP8,
+             PERM_BLOCK=perm_block, HW_FP8_CAST=x.is_cuda and not interpreting()),
+        num_warps=num_warps,
+    )
+    return q, scale, mean
+
+
 _LAUNCHER = TritonLauncher(_act_quant_kernel)
+_CHUNKED_LAUNCHER = TritonLauncher(_act_quant_chunked_kernel)
 
 
 @functools.lru_cache(maxsize=64)
