@@ -1,0 +1,173 @@
+"""The act-quant kernel's rotation variants against the reference and against the original path (CPU, Triton interpreter).
+
+``rotate_impl`` ("permute" original, "batched", "dense") and ``chunk`` (0: whole rows padded to a
+power of two; > 0: the chunked two-pass kernel over the real K) only change how the block Hadamard
+rotation is computed, so every variant must meet the original's contract: INT8 codes at most one
+step from the fp32 reference for a few elements (fp16 operands: rotated values good to ~2^-12 of
+the maximum), FP8 codes at most one e4m3 step, scales within 2^-10, and no rotation at all = bit
+exact. The chunked kernel also pads nothing: K is any multiple of the group, M any count of rows.
+"""
+
+from __future__ import annotations
+
+from kernels_helpers import needs_triton_interpreter, randn
+
+import pytest
+import torch
+
+from lowbit.kernels.ops import permute_columns
+from lowbit.kernels.reference import FP8, act_quant_reference
+
+pytestmark = needs_triton_interpreter()
+
+# (rotate_impl, chunk, tile_elements): whole-row variants and chunked ones with 1..16 rows a program
+VARIANTS = [("batched", 0, None), ("dense", 0, 4096), ("permute", 256, None), ("batched", 512, 1024),
+            ("batched", 256, 4096), ("dense", 1024, 4096)]
+VARIANT_IDS = [f"{impl}-chunk{chunk}-tile{tile}" for impl, chunk, tile in VARIANTS]
+
+
+def _triton(x, dtype, rotation, group, smooth=None, center=False, perm=0, out=None, variant=("permute", 0, None)):
+    from lowbit.kernels.triton_act_quant import act_quant_triton
+
+    impl, chunk, tile = variant
+    qmax = 448.0 if dtype == FP8 else 127.0
+    return act_quant_triton(x, dtype, qmax, rotation, group, smooth, center, perm, out=out, tile_elements=tile,
+                            rotate_impl=impl, chunk=chunk)
+
+
+def _poison(m, k, dtype):
+    return torch.full((m, k), float("nan")).to(FP8) if dtype == FP8 else torch.full((m, k), 99, dtype=torch.int8)
+
+
+def _assert_int8_near(q, q_ref, limit=0.03):
+    diff = (q.int() - q_ref.int()).abs()
+    assert diff.max() <= 1, f"a code {diff.max()} steps from the reference"
+    assert (diff > 0).float().mean() < limit, f"{(diff > 0).float().mean():.4f} of the codes differ"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("rotation,group,m,k", [("regular", 256, 19, 768), ("sylvester", 128, 9, 640),
+                                                ("regular", 64, 5, 320), ("sylvester", 16, 3, 1136)])
+def test_int8_variants_match_reference_and_original(variant, rotation, group, m, k):
+    # K is a multiple of the group but not of 256 or a power of two (the tail super-block is partly padding),
+    # M is not a multiple of the rows a program takes, and every output element must be written
+    x = randn(m, k, seed=k + group + m, scale=2, dtype=torch.bfloat16)
+    x[1, k // 5] = 60.0  # an outlier channel sets row 1's scale
+    q, scale, mean = _triton(x, torch.int8, rotation, group, out=_poison(m, k, torch.int8), variant=variant)
+    q_ref, scale_ref, _ = act_quant_reference(x, torch.int8, None, rotation, group)
+    _assert_int8_near(q, q_ref)
+    torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
+    assert mean.shape == (m, 0)
+    q_old, scale_old, _ = _triton(x, torch.int8, rotation, group)
+    assert (q == q_old).float().mean() > 0.97
+    torch.testing.assert_close(scale, scale_old, rtol=2**-10, atol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("rotation,group", [("regular", 256), ("sylvester", 128)])
+def test_fp8_variants_are_within_one_e4m3_step(variant, rotation, group):
+    m, k = 7, 1280
+    x = randn(m, k, seed=group, scale=3, dtype=torch.bfloat16)
+    x[0, 5] = 80.0
+    q, scale, _ = _triton(x, FP8, rotation, group, out=_poison(m, k, FP8), variant=variant)
+    q_ref, scale_ref, _ = act_quant_reference(x, FP8, None, rotation, group)
+    assert torch.isfinite(q.float()).all()
+    diff = (q.float() - q_ref.float()).abs()
+    assert (diff <= q_ref.float().abs() * 0.125 + 2**-9).all()
+    assert (diff > 0).float().mean() < 0.01
+    torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_hadanorm_smoothing_centring_and_rotation(variant):
+    m, k = 6, 640
+    x = randn(m, k, seed=5, scale=2, dtype=torch.bfloat16) + 25.0  # a large common offset: what centring removes
+    smooth = torch.rand(k, generator=torch.Generator().manual_seed(1)) + 0.5
+    q, scale, mean = _triton(x, torch.int8, "sylvester", 128, smooth, True, out=_poison(m, k, torch.int8),
+                             variant=variant)
+    q_ref, scale_ref, mean_ref = act_quant_reference(x, torch.int8, None, "sylvester", 128, smooth, True)
+    torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-5)
+    _assert_int8_near(q, q_ref)
+    torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_rows_of_any_magnitude(variant):
+    # per-super-block powers of two keep fp16 operands in range for huge rows and accurate for tiny ones;
+    # a zero row gives zero codes and a finite scale
+    m, k = 5, 512
+    x = randn(m, k, seed=9, dtype=torch.float32)
+    x[0] *= 1e5
+    x[1] *= 1e-6
+    x[2] = 0.0
+    x[3, :256] *= 1e4  # one super-block far larger than the other
+    x = x.to(torch.bfloat16)
+    q, scale, _ = _triton(x, torch.int8, "regular", 256, variant=variant)
+    q_ref, scale_ref, _ = act_quant_reference(x, torch.int8, None, "regular", 256)
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    assert (q[2] == 0).all()
+    _assert_int8_near(q, q_ref)
+    torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
+
+
+@pytest.mark.parametrize("chunk,perm", [(256, 128), (512, 64), (256, 256)])
+def test_chunked_permuted_column_order(chunk, perm):
+    m, k = 5, 768
+    x = randn(m, k, seed=perm + chunk, scale=2, dtype=torch.bfloat16)
+    q, _, _ = _triton(x, torch.int8, "regular", 256, perm=perm, out=_poison(m, k, torch.int8),
+                      variant=("batched", chunk, None))
+    q_ref, _, _ = act_quant_reference(x, torch.int8, None, "regular", 256)
+    _assert_int8_near(q, permute_columns(q_ref, perm))
+    q_old, _, _ = _triton(x, torch.int8, "regular", 256, perm=perm)
+    assert (q == q_old).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, FP8])
+@pytest.mark.parametrize("chunk,tile", [(16, 64), (256, 4096), (1024, None)])
+def test_chunked_without_rotation_is_bit_exact(dtype, chunk, tile):
+    m, k = 11, 1000
+    x = randn(m, k, seed=chunk, scale=3, dtype=torch.bfloat16)
+    x[0, k // 3] = 90.0
+    smooth = torch.rand(k, generator=torch.Generator().manual_seed(2)) + 0.5
+    q, scale, _ = _triton(x, dtype, "none", 0, out=_poison(m, k, dtype), variant=("permute", chunk, tile))
+    q_ref, scale_ref, _ = act_quant_reference(x, dtype)
+    assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8))
+    assert torch.equal(scale, scale_ref)
+    # smoothed and centred (no rotation): the codes of the original path, whose mean is one sum of the row
+    q, scale, mean = _triton(x, dtype, "none", 0, smooth, True, variant=("permute", chunk, tile))
+    q_ref, scale_ref, mean_ref = act_quant_reference(x, dtype, None, "none", 0, smooth, True)
+    torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-5)
+    if dtype == torch.int8:
+        _assert_int8_near(q, q_ref, limit=0.01)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-5, atol=0)
+
+
+def test_unsupported_variants_say_why():
+    x = randn(4, 512, seed=1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rotate_impl"):
+        _triton(x, torch.int8, "regular", 256, variant=("fast", 0, None))
+    with pytest.raises(ValueError, match="chunk"):
+        _triton(x, torch.int8, "regular", 256, variant=("batched", 128, None))  # narrower than a super-block
+    with pytest.raises(ValueError, match="chunk"):
+        _triton(x, torch.int8, "regular", 256, variant=("batched", 768, None))
+    with pytest.raises(ValueError, match="perm_block"):
+        _triton(x, torch.int8, "regular", 256, perm=512, variant=("batched", 256, None))
+    with pytest.raises(ValueError, match="dense"):
+        _triton(x, torch.int8, "regular", 256, variant=("dense", 256, 1024))
+    from lowbit.kernels.triton_act_quant import act_quant_triton
+
+    with pytest.raises(ValueError, match="outlier"):
+        act_quant_triton(x, FP8, 448.0, "none", 0, None, False, outlier_index=torch.tensor([3], dtype=torch.int32),
+                         chunk=256)
+
+
+def test_original_path_is_the_default():
+    # the default stays the original kernel until GPU measurements pick another (tests/gpu/bench_act_quant.py)
+    from lowbit.kernels import triton_act_quant
+
+    x = randn(9, 768, seed=3, scale=2, dtype=torch.bfloat16)
+    assert triton_act_quant.DEFAULT_ROTATE_IMPL in triton_act_quant.ROTATE_IMPLS
+    default = _triton(x, torch.int8, "regular", 256, variant=(None, None, None))
+    explicit = _triton(x, torch.int8, "regular", 256, variant=(triton_act_quant.DEFAULT_ROTATE_IMPL,
+                                                                triton_act_quant.DEFAULT_CHUNK, None))
+    assert all(torch.equal(a, b) for a, b in zip(default, explicit))
