@@ -1,0 +1,302 @@
+"""The act-quant kernel's variants at Flux shapes: time per call and agreement with the original path.
+
+Not a pytest file. On a CUDA machine, from the repository root (``lowbit`` importable)::
+
+    python tests/gpu/bench_act_quant.py --out aq.json
+
+For M in {4096, 4608}, K in {3072, 12288, 15360}, INT8 and FP8 codes and rotation none / regular
+256 / sylvester 128, it times every variant of ``lowbit.kernels.triton_act_quant.act_quant_triton``
+(``rotate_impl`` "permute" = the original path, "batched", "dense"; ``chunk`` 0 = whole rows in
+registers, > 0 = the chunked two-pass kernel) at a few (tile_elements, num_warps) settings, as the
+median of CUDA-graph replays. Each graph cycles through enough input/output buffers that they do not
+fit in L2 together (the first read of ``x`` comes from memory, as in a model). Every variant's codes
+and scales are compared with the original path's (fraction of equal codes, largest code difference,
+largest relative scale difference) and with the fp32 reference (largest code difference).
+
+Variants run in two passes: the first (baselines and the likely winners) for every shape, then the
+rest while ``--budget-s`` lasts; a variant that fails (compile, resources) is recorded with its error
+and the run goes on. The JSON report is rewritten after every shape, so a run cut short keeps what
+it measured. ``--device cpu`` runs a tiny smoke version in the Triton interpreter (no timing meaning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger("bench_act_quant")
+
+L2_FLUSH_BYTES = 150e6  # buffers per graph: their codes and activations together exceed an H200's 50 MB L2 three times
+CALLS_PER_GRAPH = 8
+
+
+@dataclass(frozen=True)
+class Variant:
+    rotate_impl: str
+    chunk: int  # 0: whole rows
+    tile_elements: int | None  # None: the kernel's default
+    num_warps: int | None
+
+    @property
+    def label(self) -> str:
+        width = "whole" if not self.chunk else f"chunk{self.chunk}"
+        return f"{self.rotate_impl}/{width}/tile{self.tile_elements or 'auto'}/w{self.num_warps or 'auto'}"
+
+
+BASELINE = Variant("permute", 0, None, None)
+# pass 1: the original path and the variants most likely to win; pass 2: the rest of the sweep
+ROTATED = (
+    [BASELINE, Variant("batched", 0, None, None), Variant("batched", 1024, 4096, 8), Variant("batched", 1024, 1024, 4),
+     Variant("batched", 2048, 2048, 4), Variant("batched", 512, 2048, 4)],
+    [Variant("permute", 0, None, 4), Variant("batched", 0, None, 4), Variant("batched", 0, None, 8),
+     Variant("dense", 0, None, None), Variant("permute", 1024, 1024, 4), Variant("permute", 1024, 4096, 8),
+     Variant("dense", 1024, 4096, 4), Variant("batched", 256, 1024, 4), Variant("batched", 2048, 4096, 8),
+     Variant("batched", 4096, 4096, 8), Variant("batched", 1024, 2048, 2)],
+)
+PLAIN = (
+    [BASELINE, Variant("permute", 1024, 4096, 4), Variant("permute", 2048, 2048, 4)],
+    [Variant("permute", 0, 8192, 8), Variant("permute", 4096, 4096, 8)],
+)
+ROTATIONS = (("none", 0), ("regular", 256), ("sylvester", 128))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_act_quant.json", help="JSON report path")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run in the Triton interpreter")
+    parser.add_argument("--size", choices=("flux", "tiny"), default=None,
+                        help="flux: the shapes above (default on cuda); tiny: M 24, K 768 and 1280 (default on cpu)")
+    parser.add_argument("--m", type=int, nargs="+", default=None, help="token counts (default 4096 4608)")
+    parser.add_argument("--k", type=int, nargs="+", default=None, help="feature counts (default 3072 12288 15360)")
+    parser.add_argument("--iters", type=int, default=15, help="timed graph replays per variant (median reported)")
+    parser.add_argument("--budget-s", type=float, default=75.0,
+                        help="no new variant starts after this many seconds (pass 1 first, then pass 2)")
+    parser.add_argument("--pass1-only", action="store_true", help="skip the second pass of variants")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cpu = args.device == "cpu"
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+    import torch
+    import triton
+
+    from lowbit.kernels.reference import FP8, act_quant_reference
+    from lowbit.kernels.triton_act_quant import DEFAULT_CHUNK, DEFAULT_ROTATE_IMPL
+
+    device = torch.device(args.device)
+    tiny = args.size == "tiny" or (args.size is None and cpu)
+    ms = args.m or ([24] if tiny else [4096, 4608])
+    ks = args.k or ([768, 1280] if tiny else [3072, 12288, 15360])
+    started = time.perf_counter()
+    report = {
+        "script": "bench_act_quant", "torch": torch.__version__, "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
+        "default": {"rotate_impl": DEFAULT_ROTATE_IMPL, "chunk": DEFAULT_CHUNK},
+        "timer": (f"median of {args.iters} CUDA-graph replays of {CALLS_PER_GRAPH}+ calls cycling through buffers "
+                  f"of >= {L2_FLUSH_BYTES / 1e6:.0f} MB together; us per call" if not cpu else "perf_counter, 1 call"),
+        "baseline": BASELINE.label, "results": [], "skipped": [], "best": {},
+    }
+    path = Path(args.out)
+
+    def save():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, path)
+
+    cases = [(m, k, codes, rotation, group) for codes in ("int8", "fp8") for rotation, group in ROTATIONS
+             for k in ks for m in ms]
+    for pass_index in (0, 1):
+        if pass_index == 1 and (args.pass1_only or cpu):
+            break
+        for m, k, codes, rotation, group in cases:
+            variants = (PLAIN if rotation == "none" else ROTATED)[pass_index]
+            out_dtype = FP8 if codes == "fp8" else torch.int8
+            qmax = 448.0 if codes == "fp8" else 127.0
+            bench = _Case(torch, device, m, k, out_dtype, qmax, rotation, group, act_quant_reference)
+            for variant in variants:
+                if pass_index == 1 and variant == BASELINE:
+                    continue
+                row = {"m": m, "k": k, "codes": codes, "rotation": rotation, "group": group, "pass": pass_index + 1,
+                       "label": variant.label, "variant": asdict(variant)}
+                if time.perf_counter() - started > args.budget_s:
+                    report["skipped"].append(row)
+                    continue
+                row.update(bench.measure(variant, args.iters, cpu))
+                report["results"].append(row)
+                log.info("%s", _line(row))
+            del bench
+            _best(report)
+            save()
+    _best(report)
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    save()
+    _print_summary(report)
+    print(f"JSON report: {path.resolve()}")
+    return 0
+
+
+class _Case:
+    """One shape and code format: its inputs (several buffers), the original path's codes, the reference's."""
+
+    def __init__(self, torch, device, m, k, out_dtype, qmax, rotation, group, reference):
+        self.torch, self.device = torch, device
+        self.m, self.k, self.out_dtype, self.qmax, self.rotation, self.group = m, k, out_dtype, qmax, rotation, group
+        buffers = 1 if device.type == "cpu" else max(1, min(8, math.ceil(L2_FLUSH_BYTES / (m * k * 3))))
+        gen = torch.Generator(device="cpu").manual_seed(m + k)
+        self.xs, self.outs = [], []
+        for i in range(buffers):
+            x = torch.randn(m, k, generator=gen) * 2
+            x[:, (torch.arange(8) * 997 + i) % k] *= 30.0  # a few outlier channels, as in real activations
+            self.xs.append(x.to(device=device, dtype=torch.bfloat16))
+            self.outs.append(torch.empty(m, k, dtype=out_dtype, device=device))
+        self._baseline = None
+        self._reference = reference
+
+    def call(self, variant: "Variant", i: int = 0, out=True):
+        from lowbit.kernels.triton_act_quant import act_quant_triton
+
+        return act_quant_triton(self.xs[i], self.out_dtype, self.qmax, self.rotation, self.group, None, False,
+                                out=self.outs[i] if out else None, tile_elements=variant.tile_elements,
+                                num_warps=variant.num_warps, rotate_impl=variant.rotate_impl, chunk=variant.chunk)
+
+    def baseline(self):
+        if self._baseline is None:
+            self._baseline = self.call(BASELINE, out=False)
+        return self._baseline
+
+    def reference(self):
+        if not isinstance(self._reference, tuple):
+            self._reference = self._reference(self.xs[0], self.out_dtype, self.qmax, self.rotation, self.group)
+        return self._reference
+
+    def measure(self, variant: "Variant", iters: int, cpu: bool) -> dict:
+        torch = self.torch
+        row = {}
+        try:
+            start = time.perf_counter()
+            q, scale, _ = self.call(variant, out=False)
+            self._sync()
+            row["first_call_s"] = round(time.perf_counter() - start, 3)
+            row.update(self._agreement(q, scale))
+            del q, scale
+            row["us"] = self._time(variant, iters, cpu)
+            row["gbps"] = round(self.m * self.k * 3 / row["us"] / 1e3, 1)
+        except Exception as err:  # fail soft: a variant that does not compile or launch here is reported
+            row["error"] = f"{type(err).__name__}: {err}"[:500]
+            if self.device.type == "cuda":
+                try:
+                    torch.cuda.synchronize(self.device)
+                except Exception as sync_err:  # the context is gone: nothing later can run
+                    raise SystemExit(f"CUDA context lost after {variant.label}: {sync_err}") from err
+        return row
+
+    def _agreement(self, q, scale) -> dict:
+        torch = self.torch
+        q_base, scale_base, _ = self.baseline()
+        q_ref, scale_ref, _ = self.reference()
+        fp8 = self.out_dtype != torch.int8
+        as_number = (lambda t: t.float()) if fp8 else (lambda t: t.int())
+        diff_base = (as_number(q) - as_number(q_base)).abs()
+        diff_ref = (as_number(q) - as_number(q_ref)).abs()
+        equal = (q.view(torch.int8) == q_base.view(torch.int8)).float().mean().item()
+        scale_rel = ((scale - scale_base).abs() / scale_base).max().item()
+        scale_rel_ref = ((scale - scale_ref).abs() / scale_ref).max().item()
+        if fp8:  # within one e4m3 step of the reference (relative 1/8, or the smallest subnormal)
+            near = bool((diff_ref <= as_number(q_ref).abs() * 0.125 + 2**-9).all().item())
+        else:
+            near = diff_ref.max().item() <= 1
+        ref_equal = (q.view(torch.int8) == q_ref.view(torch.int8)).float().mean().item()
+        return {"codes_equal_vs_baseline": round(equal, 6), "codes_max_diff_vs_baseline": diff_base.max().item(),
+                "scale_max_rel_vs_baseline": scale_rel, "codes_equal_vs_reference": round(ref_equal, 6),
+                "codes_max_diff_vs_reference": diff_ref.max().item(), "scale_max_rel_vs_reference": scale_rel_ref,
+                "ok": bool(near and ref_equal > 0.97 and scale_rel_ref <= 2**-10
+                           and torch.isfinite(q.float()).all().item())}
+
+    def _time(self, variant: "Variant", iters: int, cpu: bool) -> float:
+        torch = self.torch
+        if cpu:
+            start = time.perf_counter()
+            self.call(variant)
+            return round((time.perf_counter() - start) * 1e6, 1)
+        buffers = len(self.xs)
+        calls = [i % buffers for i in range(max(CALLS_PER_GRAPH, buffers))]
+        for i in range(buffers):
+            self.call(variant, i)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in calls:
+                self.call(variant, i)
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        times = []
+        for _ in range(max(1, iters)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / len(calls))
+        del graph
+        return round(statistics.median(times), 2)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+
+def _case_key(row: dict) -> str:
+    return f"m{row['m']} k{row['k']} {row['codes']} {row['rotation']}{row['group'] or ''}"
+
+
+def _best(report: dict) -> None:
+    """Per shape: the original path's time and the fastest variant whose codes passed the checks."""
+    cases: dict[str, list[dict]] = {}
+    for row in report["results"]:
+        cases.setdefault(_case_key(row), []).append(row)
+    best = {}
+    for key, rows in cases.items():
+        timed = [r for r in rows if "us" in r and r.get("ok")]
+        base = next((r["us"] for r in rows if r["label"] == BASELINE.label and "us" in r), None)
+        if not timed:
+            continue
+        top = min(timed, key=lambda r: r["us"])
+        best[key] = {"best": top["label"], "us": top["us"], "baseline_us": base,
+                     "speedup": round(base / top["us"], 3) if base else None,
+                     "failed": [r["label"] for r in rows if "error" in r or not r.get("ok", False)]}
+    report["best"] = best
+
+
+def _line(row: dict) -> str:
+    if "error" in row:
+        return f"{_case_key(row):<32} {row['label']:<36} FAILED {row['error'][:160]}"
+    return (f"{_case_key(row):<32} {row['label']:<36} {row['us']:9.2f} us {row['gbps']:7.1f} GB/s "
+            f"equal {row['codes_equal_vs_baseline']:.4f} ref-diff {row['codes_max_diff_vs_reference']:.3g} "
+            f"{'ok' if row['ok'] else 'NOT OK'} (first call {row['first_call_s']}s)")
+
+
+def _print_summary(report: dict) -> None:
+    print("\nfastest variant per shape (codes checked against the reference):")
+    for key, best in report["best"].items():
+        print(f"  {key:<32} {best['best']:<36} {best['us']:9.2f} us  original {best['baseline_us']} us  "
+              f"x{best['speedup']}")
+    if report["skipped"]:
+        print(f"{len(report['skipped'])} variant runs skipped (over --budget-s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
