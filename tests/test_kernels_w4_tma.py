@@ -1,0 +1,159 @@
+"""The W4 GEMM's TMA variants (operand loads, TMA-store epilogue whole or in halves, persistent) give
+the pointer kernel's output bit for bit, write every tile and nothing past the output's shape.
+
+Run in Triton's CPU interpreter, which emulates the TMA descriptors: odd M and N (partial tiles, M and
+N smaller than one tile), outputs written into a view of a larger poisoned buffer, bias on and off,
+signed-nibble and codebook weights, bf16 and fp32 outputs.
+"""
+
+from __future__ import annotations
+
+from kernels_helpers import needs_triton_interpreter, randint8, randn
+
+import dataclasses
+
+import pytest
+import torch
+from comfy_kitchen.backends.eager import w4a8_int8 as ck_w4a8
+
+from lowbit.kernels import triton_w4_gemm
+from lowbit.kernels.gemm_config import GemmConfig
+from lowbit.kernels.ops import decode_w4_reference, permute_columns
+from lowbit.kernels.reference import FP8, int8_accumulate_reference, scaled_mm_reference, w4a8_level_table
+
+pytestmark = needs_triton_interpreter()
+
+if {"tma_store", "subtile"} <= {f.name for f in dataclasses.fields(GemmConfig)}:
+    Config = GemmConfig
+else:  # the flags not yet in GemmConfig: the kernel reads them with getattr
+    @dataclasses.dataclass(frozen=True)
+    class Config(GemmConfig):
+        tma_store: bool = False
+        subtile: bool = False
+
+BASE = Config(32, 32, 64, 4, 4, 2)
+VARIANTS = {
+    "tma": dict(tma=True),
+    "tmastore": dict(tma_store=True),
+    "tmastore-sub": dict(tma_store=True, subtile=True),
+    "tma-tmastore": dict(tma=True, tma_store=True),
+    "tma-tmastore-sub-k128": dict(tma=True, tma_store=True, subtile=True, block_k=128),
+    "swap-tma-tmastore": dict(swap_ab=True, tma=True, tma_store=True),
+    "tma-persistent-tmastore-sub": dict(tma=True, persistent=True, tma_store=True, subtile=True),
+    "persistent": dict(persistent=True),
+}
+K = 256
+CODEBOOK = torch.tensor(ck_w4a8._FIXED_LUT)
+
+
+def _problem(m, n, codebook, bias, seed=0):
+    """Permute-free operands: ``(a, packed, a_scale, w_scale, bias, s_rel, table)``."""
+    a = randint8(m, K, seed=seed)
+    packed = randint8(n, K // 2, seed=seed + 1, low=-128, high=128)
+    a_scale = torch.rand(m, 1, generator=torch.Generator().manual_seed(seed + 2)) / 64 + 1e-3
+    w_scale = torch.rand(n, generator=torch.Generator().manual_seed(seed + 3)) / 64 + 1e-3
+    b = randn(n, seed=seed + 4, dtype=torch.bfloat16) if bias else None
+    if codebook:
+        s_rel = (torch.rand(n, K // 16, generator=torch.Generator().manual_seed(seed + 5)) * 60 + 4).to(FP8)
+        return a, packed, a_scale, w_scale, b, s_rel, w4a8_level_table(CODEBOOK)
+    return a, packed, a_scale, w_scale, b, None, None
+
+
+def _poisoned_view(m, n, dtype, pad_rows=3, row_align=16):
+    """An ``[m, n]`` view into a NaN-filled buffer with spare rows and columns (its row stride
+    16-byte aligned, so a TMA descriptor can describe it); the buffer is returned too."""
+    per_row = row_align // torch.empty((), dtype=dtype).element_size()
+    cols = -(-(n + 5) // per_row) * per_row
+    buffer = torch.full((m + pad_rows, cols), float("nan"), dtype=dtype)
+    return buffer[:m, :n], buffer
+
+
+def _run(problem, config, out):
+    a, packed, a_scale, w_scale, bias, s_rel, table = problem
+    return triton_w4_gemm.w4a8_mm_triton(permute_columns(a, config.block_k), packed, a_scale, w_scale, bias, s_rel,
+                                         table, 16, out.dtype, config, out=out)
+
+
+@pytest.fixture
+def descriptors(monkeypatch):
+    """The block shapes of the TMA descriptors the launcher builds, in order."""
+    built = []
+
+    def recording(t, block_shape):
+        built.append((t.dtype, tuple(block_shape)))
+        return real(t, block_shape)
+
+    real = triton_w4_gemm.tma_descriptor
+    monkeypatch.setattr(triton_w4_gemm, "tma_descriptor", recording)
+    return built
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("codebook", [False, True], ids=["nibbles", "codebook"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("shape", [(37, 72), (5, 24)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tma_variant_equals_pointer_kernel(variant, codebook, bias, shape, dtype, descriptors):
+    flags = dict(VARIANTS[variant])
+    config = dataclasses.replace(BASE, **flags)
+    pointer = dataclasses.replace(BASE, block_k=config.block_k, swap_ab=config.swap_ab)
+    m, n = shape
+    problem = _problem(m, n, codebook, bias)
+    expected = _run(problem, pointer, torch.full((m, n), float("nan"), dtype=dtype))
+    assert not descriptors, "the pointer kernel built a TMA descriptor"
+    a, packed, a_scale, w_scale, b, s_rel, table = problem
+    # the anchor: in the interpreter the epilogue's fp32 arithmetic is the reference's, in its order
+    # (the interpreter's own float -> bf16 cast can round the other way: one bf16 step)
+    reference = scaled_mm_reference(a, decode_w4_reference(packed, s_rel, table, 16), a_scale, w_scale, b, None,
+                                    None, dtype)
+    if dtype == torch.float32:
+        assert torch.equal(expected, reference)
+    else:
+        torch.testing.assert_close(expected, reference, rtol=2**-7, atol=0)
+    out, buffer = _poisoned_view(m, n, dtype)
+    result = _run(problem, config, out)
+    assert result.data_ptr() == out.data_ptr()
+    assert torch.equal(out, expected), "a tile differs from the pointer kernel's or was not written"
+    outside = buffer.clone()
+    outside[:m, :n] = 0
+    assert outside[m:].isnan().all() and outside[:, n:].isnan().all(), "written past the output's shape"
+    half = config.block_k // 2
+    want = []
+    if config.tma:
+        want += [(torch.int8, (config.block_m, half)), (torch.int8, (config.block_n, half))]
+    if config.tma_store:
+        want.append((dtype, (config.block_m, config.block_n // (2 if config.subtile else 1))))
+    assert descriptors == want, "the variant did not run through the descriptors its flags name"
+
+
+@pytest.mark.parametrize("variant", ["tma-tmastore", "tma-persistent-tmastore-sub"])
+@pytest.mark.parametrize("codebook", [False, True], ids=["nibbles", "codebook"])
+def test_tma_variant_is_exact_int32(variant, codebook):
+    """Unit scales, fp32 output, no bias: the output is the exact int32 product of the decoded weight."""
+    config = dataclasses.replace(BASE, **VARIANTS[variant])
+    m, n = 45, 56
+    a, packed, _, _, _, s_rel, table = _problem(m, n, codebook, False, seed=10)
+    weight = decode_w4_reference(packed, s_rel, table, 16)
+    out, _ = _poisoned_view(m, n, torch.float32)
+    _run((a, packed, torch.ones(m, 1), torch.ones(n), None, s_rel, table), config, out)
+    assert torch.equal(out, int8_accumulate_reference(a, weight).float())
+
+
+def test_undescribable_output_falls_back_to_pointer_stores(descriptors):
+    """A bf16 output whose row stride is not 16-byte aligned (36 columns = 72 bytes): the operands
+    still come by TMA, the output goes out through masked stores, with the same bits."""
+    config = dataclasses.replace(BASE, tma=True, tma_store=True, subtile=True)
+    m, n = 37, 36
+    problem = _problem(m, n, True, True, seed=20)
+    expected = _run(problem, BASE, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
+    out = _run(problem, config, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
+    assert torch.equal(out, expected)
+    assert [shape for _, shape in descriptors] == [(32, 32), (32, 32)], "only the operand descriptors"
+
+
+def test_ragged_k_is_refused_by_the_tma_variants():
+    config = dataclasses.replace(BASE, tma=True, tma_store=True)
+    a, packed = randint8(8, 96, seed=1), randint8(8, 48, seed=2)
+    with pytest.raises(ValueError, match="multiple of its K tile"):
+        triton_w4_gemm.w4a8_mm_triton(a, packed, torch.ones(8, 1), torch.ones(8), None, None, None, 16,
+                                      torch.float32, config)
