@@ -14,6 +14,15 @@ matrices are exact in fp16. Each row is first scaled by a power of two to below 
 comfy-kitchen does. The 1/sqrt(G) normalization and the power of two are one fp32 multiply at the
 end. (fp16, not bf16: the CPU interpreter mis-multiplies bf16 operands.)
 
+Variants of the rotated path (``act_quant_triton(rotate_impl=..., split=...)``, timed by
+``tests/gpu/bench_act_quant.py``; the original stays the default until measured): ``rotate_impl``
+"batched" scales each 256-wide super-block by its own power of two (so accuracy is relative to the
+super-block's maximum, at most the row's) and does the ``P`` stage as a batched ``P^T W`` product
+(``P`` broadcast per super-block: no permutes); "dense" does one 256×256 product. ``split``
+"pieces" holds whole rows as up to four power-of-two pieces over the real ``K`` (3072 = 2048 +
+1024: no padding); "chunks" loops over ``chunk``-wide pieces in two passes (abs-max, then recompute
+and store: the second read of ``x`` finds it in L2), with few registers.
+
 ``PERM_BLOCK`` > 0 stores the codes with the columns of every ``PERM_BLOCK``-wide block reordered
 evens first, then odds – the order in which the 4-bit-weight GEMM consumes the two nibble planes
 of a packed byte tile (``kernels/triton_w4_gemm.py``).
@@ -45,7 +54,8 @@ MAX_BLOCK_K = 32768  # rows wider than this use the eager reference
 TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_K per program (registers: 8192 fp32 over 4-16 warps)
 ROTATE_IMPLS = {"permute": 0, "batched": 1, "dense": 2}  # the kernels' ROT_IMPL
 DEFAULT_ROTATE_IMPL = "permute"  # the original path until the variants are measured on a GPU
-DEFAULT_CHUNK = 0  # 0: whole rows in registers (the original kernel); > 0: the chunked kernel
+ROW_SPLITS = ("pow2", "pieces", "chunks")  # how a program holds its rows (see act_quant_triton)
+DEFAULT_SPLIT = "pow2"  # the original kernel until the variants are measured on a GPU
 
 
 @triton.jit
@@ -280,6 +290,102 @@ def _act_quant_chunked_kernel(
         _store_codes(q_rows[:, None] + (k0 + cols)[None, :], y, mask, OUT_FP8, PERM_BLOCK, HW_FP8_CAST, BLOCK_M, CHUNK)
 
 
+@triton.jit
+def _load_piece(x_rows, smooth_ptr, row_ok, K, OFF: tl.constexpr, W: tl.constexpr, HAS_SMOOTH: tl.constexpr):
+    """fp32 columns ``OFF .. OFF + W`` of the rows, smoothed, zero beyond ``K``."""
+    cols = OFF + tl.arange(0, W)
+    col_ok = cols < K
+    x = tl.load(x_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_SMOOTH:
+        x = x * tl.load(smooth_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return x
+
+
+@triton.jit
+def _finish_piece(x, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, OFF: tl.constexpr, W: tl.constexpr,
+                  BLOCK_M: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
+                  ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr):
+    """A loaded piece centred on ``mean`` (zero beyond ``K``) and rotated."""
+    if CENTER:
+        cols = OFF + tl.arange(0, W)
+        x = tl.where(row_ok[:, None] & (cols < K)[None, :], x - mean[:, None], 0.0)
+    if ROTATE:
+        SB: tl.constexpr = BLOCK_M * W // 256
+        x = tl.reshape(x, (SB, 256))
+        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL, PRECISE)
+        x = tl.reshape(x, (BLOCK_M, W))
+    return x
+
+
+@triton.jit
+def _store_piece(q_rows, y, inv, qmax, row_ok, K, OFF: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
+                 OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr):
+    cols = OFF + tl.arange(0, W)
+    y = tl.minimum(tl.maximum(y * inv[:, None], -qmax), qmax)
+    _store_codes(q_rows[:, None] + cols[None, :], y, row_ok[:, None] & (cols < K)[None, :], OUT_FP8, PERM_BLOCK,
+                 HW_FP8_CAST, BLOCK_M, W)
+
+
+@triton.jit
+def _act_quant_pieces_kernel(
+    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr,
+    M, K, stride_xm, stride_qm, qmax, rot_norm,
+    BLOCK_M: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+    HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
+    ROT_IMPL: tl.constexpr, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+):
+    """Whole rows in registers as up to four power-of-two pieces ``W0 >= W1 >= W2 >= W3`` (0: absent)
+    laid end to end over the real ``K`` (3072 = 2048 + 1024: no padding to 4096), one read of ``x``."""
+    O1: tl.constexpr = W0
+    O2: tl.constexpr = W0 + W1
+    O3: tl.constexpr = W0 + W1 + W2
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64) * stride_xm
+    q_rows = q_ptr + rows.to(tl.int64) * stride_qm
+    x0 = _load_piece(x_rows, smooth_ptr, row_ok, K, 0, W0, HAS_SMOOTH)
+    total = tl.sum(x0, axis=1)
+    if W1 > 0:
+        x1 = _load_piece(x_rows, smooth_ptr, row_ok, K, O1, W1, HAS_SMOOTH)
+        total += tl.sum(x1, axis=1)
+    if W2 > 0:
+        x2 = _load_piece(x_rows, smooth_ptr, row_ok, K, O2, W2, HAS_SMOOTH)
+        total += tl.sum(x2, axis=1)
+    if W3 > 0:
+        x3 = _load_piece(x_rows, smooth_ptr, row_ok, K, O3, W3, HAS_SMOOTH)
+        total += tl.sum(x3, axis=1)
+    mean = total / K
+    if CENTER:
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+    x0 = _finish_piece(x0, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, 0, W0, BLOCK_M, CENTER, ROTATE,
+                       TWO_STAGE, ROT_IMPL, OUT_FP8)
+    amax = tl.max(tl.abs(x0), axis=1)
+    if W1 > 0:
+        x1 = _finish_piece(x1, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O1, W1, BLOCK_M, CENTER,
+                           ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+        amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
+    if W2 > 0:
+        x2 = _finish_piece(x2, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O2, W2, BLOCK_M, CENTER,
+                           ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+        amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
+    if W3 > 0:
+        x3 = _finish_piece(x3, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O3, W3, BLOCK_M, CENTER,
+                           ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+        amax = tl.maximum(amax, tl.max(tl.abs(x3), axis=1))
+    amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
+    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
+    scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    _store_piece(q_rows, x0, inv, qmax, row_ok, K, 0, W0, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+    if W1 > 0:
+        _store_piece(q_rows, x1, inv, qmax, row_ok, K, O1, W1, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+    if W2 > 0:
+        _store_piece(q_rows, x2, inv, qmax, row_ok, K, O2, W2, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+    if W3 > 0:
+        _store_piece(q_rows, x3, inv, qmax, row_ok, K, O3, W3, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+
+
 @functools.lru_cache(maxsize=16)
 def _rotation_factors(kind: str, group_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
     """(±1 ``I ⊗ P`` 16×16, ±1 H16, 1/sqrt(G), whether the P stage is needed) as fp16 on ``device``."""
@@ -326,19 +432,44 @@ def _chunked_launch_shape(m: int, chunk: int, tile_elements: int, num_warps: int
     return block_m, num_warps, -(-m // block_m)
 
 
-def _check_variant(rotate_impl: str, chunk: int, rotate: bool, perm_block: int, outliers: bool) -> None:
+@functools.lru_cache(maxsize=1024)
+def _pieces_launch_shape(m: int, k: int, unit: int, tile_elements: int,
+                         num_warps: int | None) -> tuple[int, tuple[int, int, int, int], int, int]:
+    """(BLOCK_M, the four piece widths (0: absent), num_warps, programs) of the pieces kernel.
+
+    The row's ``ceil(k / unit)`` units are split into at most four powers of two, largest first,
+    exactly when they have at most four set bits (3072 / 256 = 8 + 4), else the last piece is rounded up.
+    """
+    units, widths = -(-k // unit), []
+    while units and len(widths) < 3:
+        widths.append(1 << (units.bit_length() - 1))
+        units -= widths[-1]
+    if units:
+        widths.append(_pow2_at_least(units))
+    widths = [w * unit for w in widths] + [0] * (4 - len(widths))
+    row = sum(widths)
+    fit = tile_elements // row
+    block_m = max(1, min(16, 1 << (fit.bit_length() - 1) if fit else 1, _pow2_at_least(m)))
+    if num_warps is None:
+        num_warps = 4 if block_m * row <= 4096 else 8
+    return block_m, tuple(widths), num_warps, -(-m // block_m)
+
+
+def _check_variant(rotate_impl: str, split: str, chunk: int, rotate: bool, perm_block: int, outliers: bool) -> None:
     if rotate_impl not in ROTATE_IMPLS:
         raise ValueError(f"rotate_impl must be one of {sorted(ROTATE_IMPLS)}, got {rotate_impl!r}; "
                          "use 'permute' (the original path) unless a measurement says otherwise")
-    if chunk:
+    if split not in ROW_SPLITS:
+        raise ValueError(f"split must be one of {ROW_SPLITS}, got {split!r}")
+    if split != "pow2" and outliers:
+        raise ValueError(f"outlier columns are written by the split='pow2' kernel only, got split={split!r}")
+    if split == "chunks":
         if chunk & (chunk - 1) or chunk < (256 if rotate else 16):
-            raise ValueError(f"chunk must be 0 (whole rows) or a power of two of at least {256 if rotate else 16} "
+            raise ValueError(f"chunk must be a power of two of at least {256 if rotate else 16} "
                              f"(whole 256-wide rotation super-blocks), got {chunk}")
         if perm_block > chunk:
             raise ValueError(f"perm_block {perm_block} is wider than the {chunk}-wide chunk; use a chunk of at least "
                              f"{perm_block}")
-        if outliers:
-            raise ValueError("outlier columns are written by the whole-row kernel only: pass chunk=0")
 
 
 def act_quant_problem(k: int, rotation: str, group_size: int) -> str | None:
@@ -354,7 +485,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
                      smooth: torch.Tensor | None, center: bool, perm_block: int = 0, out: torch.Tensor | None = None,
                      tile_elements: int | None = None, num_warps: int | None = None,
                      outlier_index: torch.Tensor | None = None, rotate_impl: str | None = None,
-                     chunk: int | None = None,
+                     split: str | None = None, chunk: int = 1024, num_stages: int | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
@@ -363,13 +494,16 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     FP8 without pre-processing only): the codes are ``[M, K + 2r]`` as
     :func:`lowbit.kernels.reference.act_quant_outliers_reference` (``None``: no extra work).
 
-    ``rotate_impl`` (``None``: :data:`DEFAULT_ROTATE_IMPL`) picks how the rotation is computed:
-    ``"permute"`` (the original: one power of two per row, layout permutes around the ``P`` stage),
-    ``"batched"`` (one power of two per 256-wide super-block, the ``P`` stage as a batched product),
-    ``"dense"`` (one 256×256 product per super-block). ``chunk`` (``None``: :data:`DEFAULT_CHUNK`;
-    ``0``: whole rows in registers, ``K`` padded to a power of two) > 0 runs the chunked kernel: the
-    rows in ``chunk``-wide pieces over the real ``K``, two passes (three when centring), with
-    ``tile_elements`` = ``BLOCK_M * chunk``. Every variant meets the same accuracy contract.
+    Variants (benchmark sweeps; every one meets the same accuracy contract), ``None`` = the defaults
+    :data:`DEFAULT_ROTATE_IMPL` and :data:`DEFAULT_SPLIT`:
+
+    * ``rotate_impl``: ``"permute"`` (the original: one power of two per row, layout permutes around
+      the ``P`` stage), ``"batched"`` (one power of two per 256-wide super-block, the ``P`` stage a
+      batched product), ``"dense"`` (one 256×256 product per super-block);
+    * ``split``: ``"pow2"`` (the original: whole rows in registers, ``K`` padded to a power of two),
+      ``"pieces"`` (whole rows as up to four power-of-two pieces over the real ``K``, one pass),
+      ``"chunks"`` (``chunk``-wide pieces in a loop: a pass for the abs-max, one that recomputes and
+      stores – three when centring; few registers; ``num_stages`` is the loop's pipelining depth).
     """
     m, k = x.shape
     if x.stride(-1) != 1:
@@ -378,12 +512,12 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     if tile_elements is None:  # measured on H200: 4096-element programs of 4 warps, rotated or not
         tile_elements = TILE_ELEMENTS // 2
     rotate_impl = DEFAULT_ROTATE_IMPL if rotate_impl is None else rotate_impl
-    chunk = DEFAULT_CHUNK if chunk is None else chunk
-    if rotate_impl != "permute" or chunk:
-        _check_variant(rotate_impl, chunk, rotate, perm_block, outlier_index is not None and outlier_index.numel() > 0)
-    if chunk:
-        return _act_quant_chunked(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out,
-                                  tile_elements, num_warps, rotate_impl, chunk)
+    split = DEFAULT_SPLIT if split is None else split
+    if rotate_impl != "permute" or split != "pow2":
+        _check_variant(rotate_impl, split, chunk, rotate, perm_block, outlier_index is not None)
+    if split != "pow2":
+        return _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out,
+                                tile_elements, num_warps, rotate_impl, split, chunk, num_stages)
     block_m, block_k, num_warps, programs = _launch_shape(m, k, rotate, tile_elements, num_warps)
     if rotate_impl == "dense" and rotate and block_m * block_k < 4096:
         raise ValueError(f"rotate_impl='dense' needs at least 16 super-blocks a program (tile_elements >= 4096), "
@@ -421,35 +555,44 @@ def _rotation_operands(rotation: str, group_size: int, rotate_impl: str, device:
     return pmat, qmat, hmat, norm, two_stage
 
 
-def _act_quant_chunked(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out, tile_elements,
-                       num_warps, rotate_impl, chunk):
-    """:func:`act_quant_triton` through the chunked kernel (arguments already checked)."""
+def _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out, tile_elements,
+                     num_warps, rotate_impl, split, chunk, num_stages):
+    """:func:`act_quant_triton` through the pieces or the chunked kernel (variant already checked)."""
     m, k = x.shape
     rotate = rotation != "none"
-    block_m, num_warps, programs = _chunked_launch_shape(m, chunk, tile_elements, num_warps)
-    if rotate_impl == "dense" and rotate and block_m * chunk < 4096:
-        raise ValueError(f"rotate_impl='dense' needs at least 16 super-blocks a program (tile_elements >= 4096), "
-                         f"got {block_m} rows of {chunk}")
     if perm_block and (k % perm_block or perm_block % 2 or perm_block & (perm_block - 1) or out_dtype == FP8):
         raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features (INT8 codes only)")
+    if split == "chunks":
+        block_m, num_warps, programs = _chunked_launch_shape(m, chunk, tile_elements, num_warps)
+        launcher, widths, narrowest = _CHUNKED_LAUNCHER, dict(CHUNK=chunk), chunk
+    else:
+        unit = max(256 if rotate else 16, perm_block)
+        block_m, pieces, num_warps, programs = _pieces_launch_shape(m, k, unit, tile_elements, num_warps)
+        launcher, widths = _PIECES_LAUNCHER, dict(zip(("W0", "W1", "W2", "W3"), pieces))
+        narrowest = min(w for w in pieces if w)
+    if rotate_impl == "dense" and rotate and block_m * narrowest < 4096:
+        raise ValueError(f"rotate_impl='dense' needs at least 16 super-blocks in every product (tile_elements >= "
+                         f"4096), got {block_m} rows of {narrowest}")
     q = torch.empty((m, k), dtype=out_dtype, device=x.device) if out is None else out
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     mean = torch.empty((m, 1), dtype=torch.float32, device=x.device) if center else _no_mean(x.device, m)
     pmat, qmat, hmat, norm, two_stage = _rotation_operands(rotation, group_size, rotate_impl, x.device, scale)
-    _CHUNKED_LAUNCHER.launch(
+    options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+    launcher.launch(
         (programs,),
         (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat, hmat,
          m, k, x.stride(0), q.stride(0), float(qmax), float(norm)),
-        dict(BLOCK_M=block_m, CHUNK=chunk, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
+        dict(BLOCK_M=block_m, **widths, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], OUT_FP8=out_dtype == FP8,
              PERM_BLOCK=perm_block, HW_FP8_CAST=x.is_cuda and not interpreting()),
-        num_warps=num_warps,
+        **options,
     )
     return q, scale, mean
 
 
 _LAUNCHER = TritonLauncher(_act_quant_kernel)
 _CHUNKED_LAUNCHER = TritonLauncher(_act_quant_chunked_kernel)
+_PIECES_LAUNCHER = TritonLauncher(_act_quant_pieces_kernel)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,11 +1,12 @@
 """The act-quant kernel's rotation variants against the reference and against the original path (CPU, Triton interpreter).
 
-``rotate_impl`` ("permute" original, "batched", "dense") and ``chunk`` (0: whole rows padded to a
-power of two; > 0: the chunked two-pass kernel over the real K) only change how the block Hadamard
-rotation is computed, so every variant must meet the original's contract: INT8 codes at most one
-step from the fp32 reference for a few elements (fp16 operands: rotated values good to ~2^-12 of
-the maximum), FP8 codes at most one e4m3 step, scales within 2^-10, and no rotation at all = bit
-exact. The chunked kernel also pads nothing: K is any multiple of the group, M any count of rows.
+``rotate_impl`` ("permute" original, "batched", "dense") and ``split`` ("pow2": whole rows padded to
+a power of two, the original; "pieces": whole rows as power-of-two pieces over the real K; "chunks":
+the two-pass loop over ``chunk``-wide pieces) only change how the block Hadamard rotation is computed,
+so every variant must meet the original's contract: INT8 codes at most one step from the fp32
+reference for a few elements (fp16 operands: rotated values good to ~2^-12 of the maximum), FP8 codes
+at most one e4m3 step, scales within 2^-10, and no rotation at all = bit exact. K is any multiple of
+the group (the last super-block partly padding), M any count of rows.
 """
 
 from __future__ import annotations
@@ -20,19 +21,21 @@ from lowbit.kernels.reference import FP8, act_quant_reference
 
 pytestmark = needs_triton_interpreter()
 
-# (rotate_impl, chunk, tile_elements): whole-row variants and chunked ones with 1..16 rows a program
-VARIANTS = [("batched", 0, None), ("dense", 0, 4096), ("permute", 256, None), ("batched", 512, 1024),
-            ("batched", 256, 4096), ("dense", 1024, 4096)]
-VARIANT_IDS = [f"{impl}-chunk{chunk}-tile{tile}" for impl, chunk, tile in VARIANTS]
+# (rotate_impl, split, chunk, tile_elements): programs of 1..16 rows
+VARIANTS = [("batched", "pow2", 0, None), ("dense", "pow2", 0, 4096), ("permute", "chunks", 256, None),
+            ("batched", "chunks", 512, 1024), ("batched", "chunks", 256, 4096), ("dense", "chunks", 1024, 4096),
+            ("batched", "pieces", 0, None), ("permute", "pieces", 0, 1024), ("batched", "pieces", 0, 16384)]
+VARIANT_IDS = [f"{impl}-{split}{chunk or ''}-tile{tile}" for impl, split, chunk, tile in VARIANTS]
+ORIGINAL = ("permute", "pow2", 0, None)
 
 
-def _triton(x, dtype, rotation, group, smooth=None, center=False, perm=0, out=None, variant=("permute", 0, None)):
+def _triton(x, dtype, rotation, group, smooth=None, center=False, perm=0, out=None, variant=ORIGINAL):
     from lowbit.kernels.triton_act_quant import act_quant_triton
 
-    impl, chunk, tile = variant
+    impl, split, chunk, tile = variant
     qmax = 448.0 if dtype == FP8 else 127.0
     return act_quant_triton(x, dtype, qmax, rotation, group, smooth, center, perm, out=out, tile_elements=tile,
-                            rotate_impl=impl, chunk=chunk)
+                            rotate_impl=impl, split=split, chunk=chunk or 1024)
 
 
 def _poison(m, k, dtype):
@@ -91,6 +94,16 @@ def test_hadanorm_smoothing_centring_and_rotation(variant):
     torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
 
 
+def test_dense_pieces():
+    m, k = 19, 768
+    x = randn(m, k, seed=4, scale=2, dtype=torch.bfloat16)
+    q, scale, _ = _triton(x, torch.int8, "regular", 256, out=_poison(m, k, torch.int8),
+                          variant=("dense", "pieces", 0, 65536))
+    q_ref, scale_ref, _ = act_quant_reference(x, torch.int8, None, "regular", 256)
+    _assert_int8_near(q, q_ref)
+    torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_rows_of_any_magnitude(variant):
     # per-super-block powers of two keep fp16 operands in range for huge rows and accurate for tiny ones;
@@ -110,12 +123,13 @@ def test_rows_of_any_magnitude(variant):
     torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
 
 
-@pytest.mark.parametrize("chunk,perm", [(256, 128), (512, 64), (256, 256)])
-def test_chunked_permuted_column_order(chunk, perm):
-    m, k = 5, 768
+@pytest.mark.parametrize("split,chunk,perm", [("chunks", 256, 128), ("chunks", 512, 64), ("chunks", 256, 256),
+                                              ("pieces", 0, 128), ("pieces", 0, 512)])
+def test_permuted_column_order(split, chunk, perm):
+    m, k = 5, 1536 if perm == 512 else 768  # 768 = 512 + 256; 1536 in 512-wide units = 1024 + 512
     x = randn(m, k, seed=perm + chunk, scale=2, dtype=torch.bfloat16)
     q, _, _ = _triton(x, torch.int8, "regular", 256, perm=perm, out=_poison(m, k, torch.int8),
-                      variant=("batched", chunk, None))
+                      variant=("batched", split, chunk, None))
     q_ref, _, _ = act_quant_reference(x, torch.int8, None, "regular", 256)
     _assert_int8_near(q, permute_columns(q_ref, perm))
     q_old, _, _ = _triton(x, torch.int8, "regular", 256, perm=perm)
@@ -123,18 +137,19 @@ def test_chunked_permuted_column_order(chunk, perm):
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, FP8])
-@pytest.mark.parametrize("chunk,tile", [(16, 64), (256, 4096), (1024, None)])
-def test_chunked_without_rotation_is_bit_exact(dtype, chunk, tile):
+@pytest.mark.parametrize("split,chunk,tile", [("chunks", 16, 64), ("chunks", 256, 4096), ("chunks", 1024, None),
+                                              ("pieces", 0, None), ("pieces", 0, 64)])
+def test_split_rows_without_rotation_are_bit_exact(dtype, split, chunk, tile):
     m, k = 11, 1000
     x = randn(m, k, seed=chunk, scale=3, dtype=torch.bfloat16)
     x[0, k // 3] = 90.0
     smooth = torch.rand(k, generator=torch.Generator().manual_seed(2)) + 0.5
-    q, scale, _ = _triton(x, dtype, "none", 0, out=_poison(m, k, dtype), variant=("permute", chunk, tile))
+    q, scale, _ = _triton(x, dtype, "none", 0, out=_poison(m, k, dtype), variant=("permute", split, chunk, tile))
     q_ref, scale_ref, _ = act_quant_reference(x, dtype)
     assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8))
     assert torch.equal(scale, scale_ref)
     # smoothed and centred (no rotation): the codes of the original path, whose mean is one sum of the row
-    q, scale, mean = _triton(x, dtype, "none", 0, smooth, True, variant=("permute", chunk, tile))
+    q, scale, mean = _triton(x, dtype, "none", 0, smooth, True, variant=("permute", split, chunk, tile))
     q_ref, scale_ref, mean_ref = act_quant_reference(x, dtype, None, "none", 0, smooth, True)
     torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-5)
     if dtype == torch.int8:
@@ -145,20 +160,24 @@ def test_chunked_without_rotation_is_bit_exact(dtype, chunk, tile):
 def test_unsupported_variants_say_why():
     x = randn(4, 512, seed=1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rotate_impl"):
-        _triton(x, torch.int8, "regular", 256, variant=("fast", 0, None))
+        _triton(x, torch.int8, "regular", 256, variant=("fast", "pow2", 0, None))
+    with pytest.raises(ValueError, match="split"):
+        _triton(x, torch.int8, "regular", 256, variant=("batched", "halves", 0, None))
     with pytest.raises(ValueError, match="chunk"):
-        _triton(x, torch.int8, "regular", 256, variant=("batched", 128, None))  # narrower than a super-block
+        _triton(x, torch.int8, "regular", 256, variant=("batched", "chunks", 128, None))  # narrower than 256
     with pytest.raises(ValueError, match="chunk"):
-        _triton(x, torch.int8, "regular", 256, variant=("batched", 768, None))
+        _triton(x, torch.int8, "regular", 256, variant=("batched", "chunks", 768, None))
     with pytest.raises(ValueError, match="perm_block"):
-        _triton(x, torch.int8, "regular", 256, perm=512, variant=("batched", 256, None))
+        _triton(x, torch.int8, "regular", 256, perm=512, variant=("batched", "chunks", 256, None))
     with pytest.raises(ValueError, match="dense"):
-        _triton(x, torch.int8, "regular", 256, variant=("dense", 256, 1024))
+        _triton(x, torch.int8, "regular", 256, variant=("dense", "chunks", 256, 1024))
+    with pytest.raises(ValueError, match="dense"):
+        _triton(x, torch.int8, "regular", 256, variant=("dense", "pieces", 0, 1024))
     from lowbit.kernels.triton_act_quant import act_quant_triton
 
     with pytest.raises(ValueError, match="outlier"):
         act_quant_triton(x, FP8, 448.0, "none", 0, None, False, outlier_index=torch.tensor([3], dtype=torch.int32),
-                         chunk=256)
+                         split="chunks", chunk=256)
 
 
 def test_original_path_is_the_default():
@@ -167,9 +186,9 @@ def test_original_path_is_the_default():
 
     x = randn(9, 768, seed=3, scale=2, dtype=torch.bfloat16)
     assert triton_act_quant.DEFAULT_ROTATE_IMPL in triton_act_quant.ROTATE_IMPLS
-    default = _triton(x, torch.int8, "regular", 256, variant=(None, None, None))
+    default = _triton(x, torch.int8, "regular", 256, variant=(None, None, 0, None))
     explicit = _triton(x, torch.int8, "regular", 256, variant=(triton_act_quant.DEFAULT_ROTATE_IMPL,
-                                                                triton_act_quant.DEFAULT_CHUNK, None))
+                                                                triton_act_quant.DEFAULT_SPLIT, 0, None))
     assert all(torch.equal(a, b) for a, b in zip(default, explicit))
 
 
@@ -191,7 +210,7 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     report = json.loads(out.read_text())
     assert not [r for r in report["results"] if "error" in r or not r["ok"]]
     labels = {r["label"] for r in report["results"]}
-    assert {"permute/whole/tileauto/wauto", "batched/whole/tileauto/wauto", "batched/chunk1024/tile4096/w8"} <= labels
+    assert {"permute/pow2/tileauto/wauto", "batched/pieces/tileauto/wauto", "batched/chunks1024/tile4096/w8"} <= labels
     assert len(report["best"]) == 6  # int8 / fp8 x none / regular256 / sylvester128
     baseline = [r for r in report["results"] if r["label"] == report["baseline"]]
     assert all(r["codes_equal_vs_baseline"] == 1.0 for r in baseline)

@@ -6,9 +6,10 @@ Not a pytest file. On a CUDA machine, from the repository root (``lowbit`` impor
 
 For M in {4096, 4608}, K in {3072, 12288, 15360}, INT8 and FP8 codes and rotation none / regular
 256 / sylvester 128, it times every variant of ``lowbit.kernels.triton_act_quant.act_quant_triton``
-(``rotate_impl`` "permute" = the original path, "batched", "dense"; ``chunk`` 0 = whole rows in
-registers, > 0 = the chunked two-pass kernel) at a few (tile_elements, num_warps) settings, as the
-median of CUDA-graph replays. Each graph cycles through enough input/output buffers that they do not
+(``rotate_impl`` "permute" = the original path, "batched", "dense"; ``split`` "pow2" = whole rows
+padded to a power of two (the original), "pieces" = whole rows as power-of-two pieces over the real
+K, "chunks" = the two-pass loop) at a few (tile_elements, num_warps) settings, as the median of
+CUDA-graph replays. Each graph cycles through enough input/output buffers that they do not
 fit in L2 together (the first read of ``x`` comes from memory, as in a model). Every variant's codes
 and scales are compared with the original path's (fraction of equal codes, largest code difference,
 largest relative scale difference) and with the fp32 reference (largest code difference).
@@ -40,32 +41,40 @@ CALLS_PER_GRAPH = 8
 
 @dataclass(frozen=True)
 class Variant:
-    rotate_impl: str
-    chunk: int  # 0: whole rows
-    tile_elements: int | None  # None: the kernel's default
-    num_warps: int | None
+    rotate_impl: str  # "permute" (original), "batched", "dense"
+    split: str  # "pow2" (original: whole rows padded to a power of two), "pieces", "chunks"
+    tile_elements: int | None = None  # None: the kernel's default
+    num_warps: int | None = None
+    chunk: int = 1024  # split="chunks" only
+    num_stages: int | None = None  # split="chunks" only (the loop's pipelining); None: Triton's default
 
     @property
     def label(self) -> str:
-        width = "whole" if not self.chunk else f"chunk{self.chunk}"
-        return f"{self.rotate_impl}/{width}/tile{self.tile_elements or 'auto'}/w{self.num_warps or 'auto'}"
+        split = f"chunks{self.chunk}" if self.split == "chunks" else self.split
+        stages = "" if self.num_stages is None else f"/s{self.num_stages}"
+        return f"{self.rotate_impl}/{split}/tile{self.tile_elements or 'auto'}/w{self.num_warps or 'auto'}{stages}"
 
 
-BASELINE = Variant("permute", 0, None, None)
+BASELINE = Variant("permute", "pow2")
 # pass 1: the original path and the variants most likely to win; pass 2: the rest of the sweep
 ROTATED = (
-    [BASELINE, Variant("batched", 0, None, None), Variant("batched", 1024, 4096, 8), Variant("batched", 1024, 1024, 4),
-     Variant("batched", 2048, 2048, 4), Variant("batched", 512, 2048, 4)],
-    [Variant("permute", 0, None, 4), Variant("batched", 0, None, 4), Variant("batched", 0, None, 8),
-     Variant("dense", 0, None, None), Variant("permute", 1024, 1024, 4), Variant("permute", 1024, 4096, 8),
-     Variant("dense", 1024, 4096, 4), Variant("batched", 256, 1024, 4), Variant("batched", 2048, 4096, 8),
-     Variant("batched", 4096, 4096, 8), Variant("batched", 1024, 2048, 2)],
+    [BASELINE, Variant("batched", "pow2"), Variant("batched", "pieces"), Variant("permute", "pieces"),
+     Variant("batched", "chunks", 4096, 8, 1024), Variant("batched", "chunks", 1024, 4, 1024),
+     Variant("batched", "chunks", 2048, 4, 2048)],
+    [Variant("permute", "pow2", None, 4), Variant("batched", "pow2", None, 4), Variant("batched", "pow2", None, 8),
+     Variant("dense", "pow2"), Variant("batched", "pieces", None, 4), Variant("batched", "pieces", None, 8),
+     Variant("batched", "pieces", 8192, 8), Variant("batched", "pieces", 8192, 4),
+     Variant("permute", "chunks", 1024, 4, 1024), Variant("dense", "chunks", 4096, 4, 1024),
+     Variant("batched", "chunks", 2048, 4, 512), Variant("batched", "chunks", 1024, 4, 256),
+     Variant("batched", "chunks", 4096, 8, 2048), Variant("batched", "chunks", 4096, 8, 4096),
+     Variant("batched", "chunks", 4096, 8, 1024, 1), Variant("batched", "chunks", 1024, 4, 1024, 1)],
 )
 PLAIN = (
-    [BASELINE, Variant("permute", 1024, 4096, 4), Variant("permute", 2048, 2048, 4)],
-    [Variant("permute", 0, 8192, 8), Variant("permute", 4096, 4096, 8)],
+    [BASELINE, Variant("permute", "pieces"), Variant("permute", "chunks", 4096, 4, 1024)],
+    [Variant("permute", "pow2", 8192, 8), Variant("permute", "pieces", 8192, 8),
+     Variant("permute", "chunks", 2048, 4, 2048)],
 )
-ROTATIONS = (("none", 0), ("regular", 256), ("sylvester", 128))
+ROTATIONS = (("regular", 256), ("sylvester", 128), ("none", 0))  # ConvRot first: the W8A8 target
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,7 +102,7 @@ def main(argv=None) -> int:
     import triton
 
     from lowbit.kernels.reference import FP8, act_quant_reference
-    from lowbit.kernels.triton_act_quant import DEFAULT_CHUNK, DEFAULT_ROTATE_IMPL
+    from lowbit.kernels.triton_act_quant import DEFAULT_ROTATE_IMPL, DEFAULT_SPLIT
 
     device = torch.device(args.device)
     tiny = args.size == "tiny" or (args.size is None and cpu)
@@ -103,7 +112,7 @@ def main(argv=None) -> int:
     report = {
         "script": "bench_act_quant", "torch": torch.__version__, "triton": triton.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
-        "default": {"rotate_impl": DEFAULT_ROTATE_IMPL, "chunk": DEFAULT_CHUNK},
+        "default": {"rotate_impl": DEFAULT_ROTATE_IMPL, "split": DEFAULT_SPLIT},
         "timer": (f"median of {args.iters} CUDA-graph replays of {CALLS_PER_GRAPH}+ calls cycling through buffers "
                   f"of >= {L2_FLUSH_BYTES / 1e6:.0f} MB together; us per call" if not cpu else "perf_counter, 1 call"),
         "baseline": BASELINE.label, "results": [], "skipped": [], "best": {},
@@ -170,7 +179,8 @@ class _Case:
 
         return act_quant_triton(self.xs[i], self.out_dtype, self.qmax, self.rotation, self.group, None, False,
                                 out=self.outs[i] if out else None, tile_elements=variant.tile_elements,
-                                num_warps=variant.num_warps, rotate_impl=variant.rotate_impl, chunk=variant.chunk)
+                                num_warps=variant.num_warps, rotate_impl=variant.rotate_impl, split=variant.split,
+                                chunk=variant.chunk, num_stages=variant.num_stages)
 
     def baseline(self):
         if self._baseline is None:
