@@ -157,3 +157,29 @@ def test_ragged_k_is_refused_by_the_tma_variants():
     with pytest.raises(ValueError, match="multiple of its K tile"):
         triton_w4_gemm.w4a8_mm_triton(a, packed, torch.ones(8, 1), torch.ones(8), None, None, None, 16,
                                       torch.float32, config)
+
+
+def test_gpu_sweep_script_runs_in_the_interpreter(tmp_path):
+    """``tests/gpu/sweep_w4_gemm.py --smoke``: both phases run, and every config's output is checked."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "gpu" / "sweep_w4_gemm.py"
+    names = ["64x128x128-g8-w4-s4-tma-tmastore", "128x256x128-g8-w8-s3-tma-persistent-tmastore-sub"]
+    report_path = tmp_path / "w4.json"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--workers", "1", "--configs", *names,
+                           "--out", str(report_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(report_path.read_text())
+    assert set(report["configs"]) == set(names)
+    assert {key: row["state"] for key, row in report["phase1"].items()} == {
+        f"{name}/{kind}": "done" for name in names for kind in ("nibbles", "codebook")}
+    assert all(row["ok"] for row in report["phase1"].values()), report["phase1"]
+    (row,) = report["results"]
+    for kind in ("nibbles", "codebook"):
+        entry = row["kinds"][kind]
+        assert entry["reference_rel_err_vs_fp64"] < 2**-7
+        for name in names:
+            assert entry["configs"][name]["bit_exact"] is True and entry["configs"][name]["us"] > 0
