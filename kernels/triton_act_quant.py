@@ -121,12 +121,12 @@ def _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB: tl.conste
             if ROT_IMPL == 1:
                 pt = tl.load(pmat_ptr + r16[None, :] * 16 + r16[:, None])  # P^T: rows c, cols a
                 pt = tl.broadcast_to(pt[None, :, :], (SB, 16, 16))
-                w = _dot_fp16_left(pt, w3 * 0.0625, PRECISE) * 16.0  # rows (super-block, c), cols d; /16: |.| < 2
+                w = _dot_fp16_left(pt, w3, PRECISE)  # rows (super-block, c), cols d
             else:
                 pmat = tl.load(pmat_ptr + r16[:, None] * 16 + r16[None, :])
                 wt = tl.reshape(tl.permute(w3, (0, 2, 1)), (SB * 16, 16))
-                z = _dot_fp16(wt * 0.0625, pmat, PRECISE)
-                w = tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1)) * 16.0
+                z = _dot_fp16(wt, pmat, PRECISE)
+                w = tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1))
         w = tl.reshape(w, (SB, 256))
     return w * ((sb_exp << 23).to(tl.float32, bitcast=True) * rot_norm)[:, None]
 
@@ -154,7 +154,7 @@ def _act_quant_kernel(
     M, K, R, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-    ROT_IMPL: tl.constexpr,
+    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr,
     OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -175,7 +175,7 @@ def _act_quant_kernel(
     if ROTATE and ROT_IMPL > 0:  # per-super-block scaling, batched or dense products
         SB_TILE: tl.constexpr = BLOCK_M * BLOCK_K // 256
         x = tl.reshape(x, (SB_TILE, 256))
-        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB_TILE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB_TILE, TWO_STAGE, ROT_IMPL, PRECISE)
         x = tl.reshape(x, (BLOCK_M, BLOCK_K))
     if ROTATE and ROT_IMPL == 0:  # the original path: one power of two per row, permutes around the P stage
         SB: tl.constexpr = BLOCK_M * BLOCK_K // 256  # 256-wide super-blocks in the tile
@@ -185,11 +185,11 @@ def _act_quant_kernel(
         r16 = tl.arange(0, 16)
         qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 H16 (acts on the low index)
         v = tl.reshape(x, (SB * 16, 16))
-        w = _dot_fp16(v, qmat, OUT_FP8)  # rows (super-block, a), cols d
+        w = _dot_fp16(v, qmat, PRECISE)  # rows (super-block, a), cols d
         if TWO_STAGE:
             pmat = tl.load(pmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 I ⊗ P (high index)
             wt = tl.reshape(tl.permute(tl.reshape(w, (SB, 16, 16)), (0, 2, 1)), (SB * 16, 16))
-            z = _dot_fp16(wt * 0.0625, pmat, OUT_FP8)  # rows (super-block, d), cols c; /16 keeps |.| < 2
+            z = _dot_fp16(wt * 0.0625, pmat, PRECISE)  # rows (super-block, d), cols c; /16 keeps |.| < 2
             w = tl.reshape(tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1)), (SB * 16, 16)) * 16.0
         row_pow2 = (row_exp << 23).to(tl.float32, bitcast=True)  # 2^(e-127)
         x = tl.reshape(w, (BLOCK_M, BLOCK_K)) * (row_pow2 * rot_norm)[:, None]
@@ -252,7 +252,8 @@ def _act_quant_chunked_kernel(
     M, K, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-    ROT_IMPL: tl.constexpr, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr,
+    HW_FP8_CAST: tl.constexpr,
 ):
     """The rows in ``CHUNK``-wide pieces over the real ``K`` (no padding to a power of two, few
     registers): [a centring pass: the row sums], a pass for the row abs-max of the rotated values,
@@ -270,13 +271,13 @@ def _act_quant_chunked_kernel(
         for k0 in range(0, K, CHUNK):
             total += tl.sum(_chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K,
                                           mean, rot_norm, BLOCK_M, CHUNK, HAS_SMOOTH, False, False, TWO_STAGE,
-                                          ROT_IMPL, OUT_FP8), axis=1)
+                                          ROT_IMPL, PRECISE), axis=1)
         mean = total / K
         tl.store(mean_ptr + rows, mean, mask=row_ok)
     amax = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, CHUNK):
         y = _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K, mean, rot_norm,
-                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
         amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
     amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
     inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
@@ -284,7 +285,7 @@ def _act_quant_chunked_kernel(
     tl.store(scale_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, K, CHUNK):
         y = _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K, mean, rot_norm,
-                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
         y = tl.minimum(tl.maximum(y * inv[:, None], -qmax), qmax)
         mask = row_ok[:, None] & (k0 + cols < K)[None, :]
         _store_codes(q_rows[:, None] + (k0 + cols)[None, :], y, mask, OUT_FP8, PERM_BLOCK, HW_FP8_CAST, BLOCK_M, CHUNK)
@@ -332,7 +333,8 @@ def _act_quant_pieces_kernel(
     M, K, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-    ROT_IMPL: tl.constexpr, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr,
+    HW_FP8_CAST: tl.constexpr,
 ):
     """Whole rows in registers as up to four power-of-two pieces ``W0 >= W1 >= W2 >= W3`` (0: absent)
     laid end to end over the real ``K`` (3072 = 2048 + 1024: no padding to 4096), one read of ``x``."""
@@ -359,19 +361,19 @@ def _act_quant_pieces_kernel(
     if CENTER:
         tl.store(mean_ptr + rows, mean, mask=row_ok)
     x0 = _finish_piece(x0, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, 0, W0, BLOCK_M, CENTER, ROTATE,
-                       TWO_STAGE, ROT_IMPL, OUT_FP8)
+                       TWO_STAGE, ROT_IMPL, PRECISE)
     amax = tl.max(tl.abs(x0), axis=1)
     if W1 > 0:
         x1 = _finish_piece(x1, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O1, W1, BLOCK_M, CENTER,
-                           ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
         amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
     if W2 > 0:
         x2 = _finish_piece(x2, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O2, W2, BLOCK_M, CENTER,
-                           ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
         amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
     if W3 > 0:
         x3 = _finish_piece(x3, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O3, W3, BLOCK_M, CENTER,
-                           ROTATE, TWO_STAGE, ROT_IMPL, OUT_FP8)
+                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
         amax = tl.maximum(amax, tl.max(tl.abs(x3), axis=1))
     amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
     inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
@@ -486,6 +488,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
                      tile_elements: int | None = None, num_warps: int | None = None,
                      outlier_index: torch.Tensor | None = None, rotate_impl: str | None = None,
                      split: str | None = None, chunk: int = 1024, num_stages: int | None = None,
+                     precise_fp8: bool = True,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
@@ -503,7 +506,10 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     * ``split``: ``"pow2"`` (the original: whole rows in registers, ``K`` padded to a power of two),
       ``"pieces"`` (whole rows as up to four power-of-two pieces over the real ``K``, one pass),
       ``"chunks"`` (``chunk``-wide pieces in a loop: a pass for the abs-max, one that recomputes and
-      stores – three when centring; few registers; ``num_stages`` is the loop's pipelining depth).
+      stores – three when centring; few registers; ``num_stages`` is the loop's pipelining depth);
+    * ``precise_fp8`` (FP8 codes of a rotation): fp16 hi + lo operands (rotated values to ~2^-22 of
+      the maximum, FP8 codes as the fp32 reference's but for rare ties); ``False``: hi only, one
+      product a stage (2^-12, as INT8 – codes of values near zero may move a few e4m3 steps).
     """
     m, k = x.shape
     if x.stride(-1) != 1:
@@ -517,7 +523,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
         _check_variant(rotate_impl, split, chunk, rotate, perm_block, outlier_index is not None)
     if split != "pow2":
         return _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out,
-                                tile_elements, num_warps, rotate_impl, split, chunk, num_stages)
+                                tile_elements, num_warps, rotate_impl, split, chunk, num_stages, precise_fp8)
     block_m, block_k, num_warps, programs = _launch_shape(m, k, rotate, tile_elements, num_warps)
     if rotate_impl == "dense" and rotate and block_m * block_k < 4096:
         raise ValueError(f"rotate_impl='dense' needs at least 16 super-blocks a program (tile_elements >= 4096), "
@@ -538,7 +544,8 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
         (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat, hmat,
          outlier_index if r else scale, m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm)),
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
-             TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
+             TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
+             OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
              R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting()),
         num_warps=num_warps,
     )
@@ -556,7 +563,7 @@ def _rotation_operands(rotation: str, group_size: int, rotate_impl: str, device:
 
 
 def _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out, tile_elements,
-                     num_warps, rotate_impl, split, chunk, num_stages):
+                     num_warps, rotate_impl, split, chunk, num_stages, precise_fp8):
     """:func:`act_quant_triton` through the pieces or the chunked kernel (variant already checked)."""
     m, k = x.shape
     rotate = rotation != "none"
@@ -583,8 +590,8 @@ def _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, p
         (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat, hmat,
          m, k, x.stride(0), q.stride(0), float(qmax), float(norm)),
         dict(BLOCK_M=block_m, **widths, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
-             TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], OUT_FP8=out_dtype == FP8,
-             PERM_BLOCK=perm_block, HW_FP8_CAST=x.is_cuda and not interpreting()),
+             TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
+             OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block, HW_FP8_CAST=x.is_cuda and not interpreting()),
         **options,
     )
     return q, scale, mean
