@@ -166,16 +166,17 @@ def _w4a8_mm_kernel(
     M, N, K, stride_am, stride_wn, stride_sn, stride_cm,
     CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
     SWAP_AB: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
-    PERSISTENT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One output tile a program, or (``PERSISTENT``) ``NUM_PROGRAMS`` programs walking the tiles in
-    the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the next
-    tile's loads."""
+    """One output tile a program, or (``PERSISTENT``) a grid of at most one program per SM walking the
+    tiles in the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the
+    next tile's loads. (The stride is ``tl.num_programs``, not a constexpr: a grid smaller than the SM
+    count, for a small output, needs no compile of its own.)"""
     if PERSISTENT:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
                            stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_LOAD, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -237,7 +238,7 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
          m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0)),
         dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=bias is not None,
              USE_PTX=_use_ptx(a), SWAP_AB=config.swap_ab, TMA_LOAD=tma_load, TMA_STORE=tma_store, SUBTILE=subtile,
-             PERSISTENT=config.persistent, NUM_PROGRAMS=programs if config.persistent else 0,
+             PERSISTENT=config.persistent,
              BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
