@@ -259,16 +259,18 @@ def run_workers(names: list[str], kinds, args, deadline: float) -> dict:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--device", args.device,
                        "--tasks", ",".join(f"{n}@{k}" for n, k in tasks), "--result", str(path)]
                 cmd += ["--smoke"] if args.smoke else []
-                procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                               text=True), path, tasks))
-            for proc, path, tasks in procs:
+                log_path = path.with_suffix(".log")  # a file, not a pipe: a chatty worker never blocks
+                with open(log_path, "w") as log:
+                    procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), path, log_path))
+            for proc, path, log_path in procs:
                 killed = False
                 try:
-                    output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    output, _ = proc.communicate()
+                    proc.wait()
                     killed = True
+                output = log_path.read_text(errors="replace")
                 rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
                 started = None
                 for row in rows:
