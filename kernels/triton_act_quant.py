@@ -18,7 +18,9 @@ Variants of the rotated path (``act_quant_triton(rotate_impl=..., split=...)``, 
 ``tests/gpu/bench_act_quant.py``; the original stays the default until measured): ``rotate_impl``
 "batched" scales each 256-wide super-block by its own power of two (so accuracy is relative to the
 super-block's maximum, at most the row's) and does the ``P`` stage as a batched ``P^T W`` product
-(``P`` broadcast per super-block: no permutes); "dense" does one 256×256 product. ``split``
+(``P`` broadcast per super-block: no permutes); "tf32" does the same with tf32 operands (fp32
+range: no scaling; bf16 input is exact in tf32, the ``P`` stage's operand is rounded to tf32's 11
+significant bits, as fp16's); "dense" does one 256×256 product. ``split``
 "pieces" holds whole rows as up to four power-of-two pieces over the real ``K`` (3072 = 2048 +
 1024: no padding); "chunks" loops over ``chunk``-wide pieces in two passes (abs-max, then recompute
 and store: the second read of ``x`` finds it in L2), with few registers.
@@ -52,7 +54,7 @@ from .reference import FP8
 
 MAX_BLOCK_K = 32768  # rows wider than this use the eager reference
 TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_K per program (registers: 8192 fp32 over 4-16 warps)
-ROTATE_IMPLS = {"permute": 0, "batched": 1, "dense": 2}  # the kernels' ROT_IMPL
+ROTATE_IMPLS = {"permute": 0, "batched": 1, "dense": 2, "tf32": 3}  # the kernels' ROT_IMPL
 DEFAULT_ROTATE_IMPL = "permute"  # the original path until the variants are measured on a GPU
 ROW_SPLITS = ("pow2", "pieces", "chunks")  # how a program holds its rows (see act_quant_triton)
 DEFAULT_SPLIT = "pow2"  # the original kernel until the variants are measured on a GPU
@@ -97,38 +99,82 @@ def _dot_fp16_left(h, v, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _round_tf32(v):
+    """fp32 ``v`` rounded to tf32 (10 mantissa bits, ties away from zero): exact in a tf32 product,
+    on the GPU (whose tensor cores drop the low 13 bits) as in the interpreter (which keeps them)."""
+    return ((v.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_tf32(v, h, ROUND: tl.constexpr, PRECISE: tl.constexpr):
+    """``v @ h`` for a ±1 fp32 ``h``: ``v`` rounded to tf32 (``ROUND``; else it is exact already),
+    plus the product of the rounding residual (``PRECISE``)."""
+    if ROUND:
+        hi = _round_tf32(v)
+        out = tl.dot(hi, h, input_precision="tf32", out_dtype=tl.float32)
+        if PRECISE:
+            out += tl.dot(_round_tf32(v - hi), h, input_precision="tf32", out_dtype=tl.float32)
+    else:
+        out = tl.dot(v, h, input_precision="tf32", out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _dot_tf32_left(h, v, PRECISE: tl.constexpr):
+    """``h @ v`` (batched) for a ±1 fp32 ``h``, ``v`` rounded to tf32 (+ the residual's product: ``PRECISE``)."""
+    hi = _round_tf32(v)
+    out = tl.dot(h, hi, input_precision="tf32", out_dtype=tl.float32)
+    if PRECISE:
+        out += tl.dot(h, _round_tf32(v - hi), input_precision="tf32", out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
 def _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB: tl.constexpr, TWO_STAGE: tl.constexpr,
-                        ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr):
+                        ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr):
     """fp32 ``[SB, 256]`` rows of 256-wide super-blocks times ``blockdiag(H_G)``, normalized.
 
-    Each super-block is scaled by its own power of two to below 2 (exact, undone at the end), so the
-    fp16 operands hold 11 significant bits of the super-block's maximum. ``ROT_IMPL`` 1: the
-    ``P^T W`` stage is a batched product with ``P^T`` broadcast per super-block (no layout
-    permutes); 2: one dense 256×256 product with ``Pfull ⊗ H16`` (16× the FLOPs, no second stage).
+    ``ROT_IMPL`` 1 and 2 (fp16 operands): each super-block is scaled by its own power of two to below
+    2 (exact, undone at the end), so the fp16 operands hold 11 significant bits of the super-block's
+    maximum; 1: the ``P^T W`` stage is a batched product with ``P^T`` broadcast per super-block (no
+    layout permutes), 2: one dense 256×256 product with ``Pfull ⊗ H16`` (16× the FLOPs, no second
+    stage). 3 (tf32 operands, fp32 range: no scaling): as 1; the input is used as is (a bf16 or fp16
+    ``x`` is exact in tf32) unless ``ROUND_IN`` (smoothed, centred or fp32 input), and the ``P``
+    stage's operand is rounded to tf32 – 11 significant bits, as fp16.
     """
-    sb_exp = tl.maximum((tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1)
-    x = x * ((254 - sb_exp) << 23).to(tl.float32, bitcast=True)[:, None]
-    if ROT_IMPL == 2:
-        r256 = tl.arange(0, 256)
-        hmat = tl.load(hmat_ptr + r256[:, None] * 256 + r256[None, :])  # ±1 fp16 Pfull ⊗ H16
-        w = _dot_fp16(x, hmat, PRECISE)
-    else:
-        r16 = tl.arange(0, 16)
-        qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 H16 (acts on the low index)
-        w = _dot_fp16(tl.reshape(x, (SB * 16, 16)), qmat, PRECISE)  # rows (super-block, a), cols d
+    r16 = tl.arange(0, 16)
+    if ROT_IMPL == 3:
+        qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :]).to(tl.float32)  # ±1 H16 (low index)
+        w = _dot_tf32(tl.reshape(x, (SB * 16, 16)), qmat, ROUND_IN, PRECISE)  # rows (super-block, a), cols d
         if TWO_STAGE:
-            w3 = tl.reshape(w, (SB, 16, 16))
-            if ROT_IMPL == 1:
-                pt = tl.load(pmat_ptr + r16[None, :] * 16 + r16[:, None])  # P^T: rows c, cols a
-                pt = tl.broadcast_to(pt[None, :, :], (SB, 16, 16))
-                w = _dot_fp16_left(pt, w3, PRECISE)  # rows (super-block, c), cols d
-            else:
-                pmat = tl.load(pmat_ptr + r16[:, None] * 16 + r16[None, :])
-                wt = tl.reshape(tl.permute(w3, (0, 2, 1)), (SB * 16, 16))
-                z = _dot_fp16(wt, pmat, PRECISE)
-                w = tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1))
-        w = tl.reshape(w, (SB, 256))
-    return w * ((sb_exp << 23).to(tl.float32, bitcast=True) * rot_norm)[:, None]
+            pt = tl.load(pmat_ptr + r16[None, :] * 16 + r16[:, None]).to(tl.float32)  # P^T: rows c, cols a
+            pt = tl.broadcast_to(pt[None, :, :], (SB, 16, 16))
+            w = _dot_tf32_left(pt, tl.reshape(w, (SB, 16, 16)), PRECISE)  # rows (super-block, c), cols d
+        w = tl.reshape(w, (SB, 256)) * rot_norm
+    else:
+        sb_exp = tl.maximum((tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1)
+        x = x * ((254 - sb_exp) << 23).to(tl.float32, bitcast=True)[:, None]
+        if ROT_IMPL == 2:
+            r256 = tl.arange(0, 256)
+            hmat = tl.load(hmat_ptr + r256[:, None] * 256 + r256[None, :])  # ±1 fp16 Pfull ⊗ H16
+            w = _dot_fp16(x, hmat, PRECISE)
+        else:
+            qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 H16 (acts on the low index)
+            w = _dot_fp16(tl.reshape(x, (SB * 16, 16)), qmat, PRECISE)  # rows (super-block, a), cols d
+            if TWO_STAGE:
+                w3 = tl.reshape(w, (SB, 16, 16))
+                if ROT_IMPL == 1:
+                    pt = tl.load(pmat_ptr + r16[None, :] * 16 + r16[:, None])  # P^T: rows c, cols a
+                    pt = tl.broadcast_to(pt[None, :, :], (SB, 16, 16))
+                    w = _dot_fp16_left(pt, w3, PRECISE)  # rows (super-block, c), cols d
+                else:
+                    pmat = tl.load(pmat_ptr + r16[:, None] * 16 + r16[None, :])
+                    wt = tl.reshape(tl.permute(w3, (0, 2, 1)), (SB * 16, 16))
+                    z = _dot_fp16(wt, pmat, PRECISE)
+                    w = tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1))
+            w = tl.reshape(w, (SB, 256))
+        w = w * ((sb_exp << 23).to(tl.float32, bitcast=True) * rot_norm)[:, None]
+    return w
 
 
 @triton.jit
@@ -154,7 +200,7 @@ def _act_quant_kernel(
     M, K, R, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr,
+    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr,
     OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -175,7 +221,8 @@ def _act_quant_kernel(
     if ROTATE and ROT_IMPL > 0:  # per-super-block scaling, batched or dense products
         SB_TILE: tl.constexpr = BLOCK_M * BLOCK_K // 256
         x = tl.reshape(x, (SB_TILE, 256))
-        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB_TILE, TWO_STAGE, ROT_IMPL, PRECISE)
+        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB_TILE, TWO_STAGE, ROT_IMPL, PRECISE,
+                                ROUND_IN)
         x = tl.reshape(x, (BLOCK_M, BLOCK_K))
     if ROTATE and ROT_IMPL == 0:  # the original path: one power of two per row, permutes around the P stage
         SB: tl.constexpr = BLOCK_M * BLOCK_K // 256  # 256-wide super-blocks in the tile
@@ -228,7 +275,8 @@ def _act_quant_kernel(
 @triton.jit
 def _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, cols, K, mean, rot_norm,
                   BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr,
-                  ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr, ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr):
+                  ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr, ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr,
+                  ROUND_IN: tl.constexpr):
     """fp32 ``[BLOCK_M, CHUNK]``: columns ``cols`` of the rows, smoothed, centred on ``mean``, rotated
     (zero beyond ``K``). The same code on the same data in both passes, so both see the same values."""
     col_ok = cols < K
@@ -241,7 +289,7 @@ def _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, cols
     if ROTATE:
         SB: tl.constexpr = BLOCK_M * CHUNK // 256
         x = tl.reshape(x, (SB, 256))
-        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL, PRECISE)
+        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
         x = tl.reshape(x, (BLOCK_M, CHUNK))
     return x
 
@@ -252,8 +300,8 @@ def _act_quant_chunked_kernel(
     M, K, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr,
-    HW_FP8_CAST: tl.constexpr,
+    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr, OUT_FP8: tl.constexpr,
+    PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     """The rows in ``CHUNK``-wide pieces over the real ``K`` (no padding to a power of two, few
     registers): [a centring pass: the row sums], a pass for the row abs-max of the rotated values,
@@ -271,13 +319,14 @@ def _act_quant_chunked_kernel(
         for k0 in range(0, K, CHUNK):
             total += tl.sum(_chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K,
                                           mean, rot_norm, BLOCK_M, CHUNK, HAS_SMOOTH, False, False, TWO_STAGE,
-                                          ROT_IMPL, PRECISE), axis=1)
+                                          ROT_IMPL, PRECISE, ROUND_IN), axis=1)
         mean = total / K
         tl.store(mean_ptr + rows, mean, mask=row_ok)
     amax = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, CHUNK):
         y = _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K, mean, rot_norm,
-                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
+                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, PRECISE,
+                          ROUND_IN)
         amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
     amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
     inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
@@ -285,7 +334,8 @@ def _act_quant_chunked_kernel(
     tl.store(scale_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, K, CHUNK):
         y = _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K, mean, rot_norm,
-                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
+                          BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, PRECISE,
+                          ROUND_IN)
         y = tl.minimum(tl.maximum(y * inv[:, None], -qmax), qmax)
         mask = row_ok[:, None] & (k0 + cols < K)[None, :]
         _store_codes(q_rows[:, None] + (k0 + cols)[None, :], y, mask, OUT_FP8, PERM_BLOCK, HW_FP8_CAST, BLOCK_M, CHUNK)
@@ -305,7 +355,7 @@ def _load_piece(x_rows, smooth_ptr, row_ok, K, OFF: tl.constexpr, W: tl.constexp
 @triton.jit
 def _finish_piece(x, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, OFF: tl.constexpr, W: tl.constexpr,
                   BLOCK_M: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-                  ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr):
+                  ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr):
     """A loaded piece centred on ``mean`` (zero beyond ``K``) and rotated."""
     if CENTER:
         cols = OFF + tl.arange(0, W)
@@ -313,7 +363,7 @@ def _finish_piece(x, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, OF
     if ROTATE:
         SB: tl.constexpr = BLOCK_M * W // 256
         x = tl.reshape(x, (SB, 256))
-        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL, PRECISE)
+        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
         x = tl.reshape(x, (BLOCK_M, W))
     return x
 
@@ -333,8 +383,8 @@ def _act_quant_pieces_kernel(
     M, K, stride_xm, stride_qm, qmax, rot_norm,
     BLOCK_M: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
-    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr,
-    HW_FP8_CAST: tl.constexpr,
+    ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr, OUT_FP8: tl.constexpr,
+    PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     """Whole rows in registers as up to four power-of-two pieces ``W0 >= W1 >= W2 >= W3`` (0: absent)
     laid end to end over the real ``K`` (3072 = 2048 + 1024: no padding to 4096), one read of ``x``."""
@@ -361,19 +411,19 @@ def _act_quant_pieces_kernel(
     if CENTER:
         tl.store(mean_ptr + rows, mean, mask=row_ok)
     x0 = _finish_piece(x0, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, 0, W0, BLOCK_M, CENTER, ROTATE,
-                       TWO_STAGE, ROT_IMPL, PRECISE)
+                       TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
     amax = tl.max(tl.abs(x0), axis=1)
     if W1 > 0:
         x1 = _finish_piece(x1, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O1, W1, BLOCK_M, CENTER,
-                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
+                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
         amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
     if W2 > 0:
         x2 = _finish_piece(x2, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O2, W2, BLOCK_M, CENTER,
-                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
+                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
         amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
     if W3 > 0:
         x3 = _finish_piece(x3, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O3, W3, BLOCK_M, CENTER,
-                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE)
+                           ROTATE, TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
         amax = tl.maximum(amax, tl.max(tl.abs(x3), axis=1))
     amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
     inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
@@ -488,7 +538,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
                      tile_elements: int | None = None, num_warps: int | None = None,
                      outlier_index: torch.Tensor | None = None, rotate_impl: str | None = None,
                      split: str | None = None, chunk: int = 1024, num_stages: int | None = None,
-                     precise_fp8: bool = True,
+                     precise_fp8: bool = True, max_registers: int | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
@@ -502,14 +552,17 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
 
     * ``rotate_impl``: ``"permute"`` (the original: one power of two per row, layout permutes around
       the ``P`` stage), ``"batched"`` (one power of two per 256-wide super-block, the ``P`` stage a
-      batched product), ``"dense"`` (one 256×256 product per super-block);
+      batched product), ``"dense"`` (one 256×256 product per super-block), ``"tf32"`` (as batched
+      with tf32 operands: fp32 range, so no scaling, and bf16 / fp16 input enters as is);
     * ``split``: ``"pow2"`` (the original: whole rows in registers, ``K`` padded to a power of two),
       ``"pieces"`` (whole rows as up to four power-of-two pieces over the real ``K``, one pass),
       ``"chunks"`` (``chunk``-wide pieces in a loop: a pass for the abs-max, one that recomputes and
       stores – three when centring; few registers; ``num_stages`` is the loop's pipelining depth);
     * ``precise_fp8`` (FP8 codes of a rotation): fp16 hi + lo operands (rotated values to ~2^-22 of
       the maximum, FP8 codes as the fp32 reference's but for rare ties); ``False``: hi only, one
-      product a stage (2^-12, as INT8 – codes of values near zero may move a few e4m3 steps).
+      product a stage (2^-12, as INT8 – codes of values near zero may move a few e4m3 steps);
+    * ``max_registers``: the compiler's register cap per thread (``maxnreg``: more programs per SM,
+      perhaps spills).
     """
     m, k = x.shape
     if x.stride(-1) != 1:
@@ -523,7 +576,8 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
         _check_variant(rotate_impl, split, chunk, rotate, perm_block, outlier_index is not None)
     if split != "pow2":
         return _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out,
-                                tile_elements, num_warps, rotate_impl, split, chunk, num_stages, precise_fp8)
+                                tile_elements, num_warps, rotate_impl, split, chunk, num_stages, precise_fp8,
+                                max_registers)
     block_m, block_k, num_warps, programs = _launch_shape(m, k, rotate, tile_elements, num_warps)
     if rotate_impl == "dense" and rotate and block_m * block_k < 4096:
         raise ValueError(f"rotate_impl='dense' needs at least 16 super-blocks a program (tile_elements >= 4096), "
@@ -545,11 +599,17 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
          outlier_index if r else scale, m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm)),
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
-             OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
+             ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
              R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting()),
-        num_warps=num_warps,
+        **(dict(num_warps=num_warps) if max_registers is None else dict(num_warps=num_warps, maxnreg=max_registers)),
     )
     return q, scale, mean
+
+
+def _round_in(x: torch.Tensor, smooth: torch.Tensor | None, center: bool) -> bool:
+    """Whether the rotation's input must be rounded to tf32 (``rotate_impl="tf32"``): bf16 and fp16
+    activations are exact in tf32, smoothed / centred / fp32 ones are not."""
+    return smooth is not None or center or x.dtype not in (torch.bfloat16, torch.float16)
 
 
 def _rotation_operands(rotation: str, group_size: int, rotate_impl: str, device: torch.device,
@@ -563,7 +623,7 @@ def _rotation_operands(rotation: str, group_size: int, rotate_impl: str, device:
 
 
 def _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out, tile_elements,
-                     num_warps, rotate_impl, split, chunk, num_stages, precise_fp8):
+                     num_warps, rotate_impl, split, chunk, num_stages, precise_fp8, max_registers):
     """:func:`act_quant_triton` through the pieces or the chunked kernel (variant already checked)."""
     m, k = x.shape
     rotate = rotation != "none"
@@ -584,14 +644,18 @@ def _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, p
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     mean = torch.empty((m, 1), dtype=torch.float32, device=x.device) if center else _no_mean(x.device, m)
     pmat, qmat, hmat, norm, two_stage = _rotation_operands(rotation, group_size, rotate_impl, x.device, scale)
-    options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+    options = dict(num_warps=num_warps)
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if max_registers is not None:
+        options["maxnreg"] = max_registers
     launcher.launch(
         (programs,),
         (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat, hmat,
          m, k, x.stride(0), q.stride(0), float(qmax), float(norm)),
         dict(BLOCK_M=block_m, **widths, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
-             OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block, HW_FP8_CAST=x.is_cuda and not interpreting()),
+             ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block, HW_FP8_CAST=x.is_cuda and not interpreting()),
         **options,
     )
     return q, scale, mean

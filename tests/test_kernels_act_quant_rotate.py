@@ -1,6 +1,6 @@
 """The act-quant kernel's rotation variants against the reference and against the original path (CPU, Triton interpreter).
 
-``rotate_impl`` ("permute" original, "batched", "dense") and ``split`` ("pow2": whole rows padded to
+``rotate_impl`` ("permute" original, "batched", "dense", "tf32") and ``split`` ("pow2": whole rows padded to
 a power of two, the original; "pieces": whole rows as power-of-two pieces over the real K; "chunks":
 the two-pass loop over ``chunk``-wide pieces) only change how the block Hadamard rotation is computed,
 so every variant must meet the original's contract: INT8 codes at most one step from the fp32
@@ -24,7 +24,8 @@ pytestmark = needs_triton_interpreter()
 # (rotate_impl, split, chunk, tile_elements): programs of 1..16 rows
 VARIANTS = [("batched", "pow2", 0, None), ("dense", "pow2", 0, 4096), ("permute", "chunks", 256, None),
             ("batched", "chunks", 512, 1024), ("batched", "chunks", 256, 4096), ("dense", "chunks", 1024, 4096),
-            ("batched", "pieces", 0, None), ("permute", "pieces", 0, 1024), ("batched", "pieces", 0, 16384)]
+            ("batched", "pieces", 0, None), ("permute", "pieces", 0, 1024), ("batched", "pieces", 0, 16384),
+            ("tf32", "pieces", 0, None), ("tf32", "pow2", 0, None), ("tf32", "chunks", 512, 1024)]
 VARIANT_IDS = [f"{impl}-{split}{chunk or ''}-tile{tile}" for impl, split, chunk, tile in VARIANTS]
 ORIGINAL = ("permute", "pow2", 0, None)
 
@@ -81,8 +82,9 @@ def test_fp8_variants_are_within_one_e4m3_step(variant, rotation, group):
     torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
 
 
-@pytest.mark.parametrize("variant", [ORIGINAL, ("batched", "pieces", 0, None), ("batched", "chunks", 512, None)],
-                         ids=["original", "batched-pieces", "batched-chunks"])
+@pytest.mark.parametrize("variant", [ORIGINAL, ("batched", "pieces", 0, None), ("batched", "chunks", 512, None),
+                                     ("tf32", "pieces", 0, None)],
+                         ids=["original", "batched-pieces", "batched-chunks", "tf32-pieces"])
 def test_fp8_hi_only_rotation_keeps_values_to_2e_minus_12_of_the_row_maximum(variant):
     # precise_fp8=False rounds the P stage's operand to fp16 once: a value near zero may move several e4m3
     # steps, but never farther than ~2^-12 of the row maximum (448 code units), and few codes move
@@ -123,6 +125,29 @@ def test_dense_pieces():
     q_ref, scale_ref, _ = act_quant_reference(x, torch.int8, None, "regular", 256)
     _assert_int8_near(q, q_ref)
     torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("impl", ["tf32", "batched"])
+def test_fp32_and_fp16_activations(dtype, impl):
+    # tf32 operands: fp16 input is exact as is, fp32 input is rounded to tf32 first (as smoothed / centred rows)
+    m, k = 6, 768
+    x = randn(m, k, seed=13, scale=2, dtype=dtype)
+    for split in ("pieces", "pow2"):
+        q, scale, _ = _triton(x, torch.int8, "regular", 256, variant=(impl, split, 0, None))
+        q_ref, scale_ref, _ = act_quant_reference(x, torch.int8, None, "regular", 256)
+        _assert_int8_near(q, q_ref)
+        torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
+
+
+def test_register_cap_is_a_launch_option_only():
+    from lowbit.kernels.triton_act_quant import act_quant_triton
+
+    x = randn(5, 768, seed=17, scale=2, dtype=torch.bfloat16)
+    capped = act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False, rotate_impl="tf32", split="pieces",
+                              max_registers=64)
+    free = act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False, rotate_impl="tf32", split="pieces")
+    assert all(torch.equal(a, b) for a, b in zip(capped, free))
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
@@ -231,7 +256,7 @@ def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
     report = json.loads(out.read_text())
     assert not [r for r in report["results"] if "error" in r or not r["ok"]]
     labels = {r["label"] for r in report["results"]}
-    assert {"permute/pow2/tileauto/wauto", "batched/pieces/tileauto/wauto", "batched/chunks1024/tile4096/w8"} <= labels
+    assert {"permute/pow2/tileauto/wauto", "batched/pieces/tileauto/wauto", "tf32/pieces/tileauto/wauto"} <= labels
     assert len(report["best"]) == 6  # int8 / fp8 x none / regular256 / sylvester128
     baseline = [r for r in report["results"] if r["label"] == report["baseline"]]
     assert all(r["codes_equal_vs_baseline"] == 1.0 for r in baseline)

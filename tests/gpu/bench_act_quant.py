@@ -6,7 +6,7 @@ Not a pytest file. On a CUDA machine, from the repository root (``lowbit`` impor
 
 For M in {4096, 4608}, K in {3072, 12288, 15360}, INT8 and FP8 codes and rotation none / regular
 256 / sylvester 128, it times every variant of ``lowbit.kernels.triton_act_quant.act_quant_triton``
-(``rotate_impl`` "permute" = the original path, "batched", "dense"; ``split`` "pow2" = whole rows
+(``rotate_impl`` "permute" = the original path, "batched", "tf32", "dense"; ``split`` "pow2" = whole rows
 padded to a power of two (the original), "pieces" = whole rows as power-of-two pieces over the real
 K, "chunks" = the two-pass loop) at a few (tile_elements, num_warps) settings, as the median of
 CUDA-graph replays. Each graph cycles through enough input/output buffers that they do not
@@ -41,43 +41,45 @@ CALLS_PER_GRAPH = 8
 
 @dataclass(frozen=True)
 class Variant:
-    rotate_impl: str  # "permute" (original), "batched", "dense"
+    rotate_impl: str  # "permute" (original), "batched", "tf32", "dense"
     split: str  # "pow2" (original: whole rows padded to a power of two), "pieces", "chunks"
     tile_elements: int | None = None  # None: the kernel's default
     num_warps: int | None = None
     chunk: int = 1024  # split="chunks" only
     num_stages: int | None = None  # split="chunks" only (the loop's pipelining); None: Triton's default
-    precise_fp8: bool = True  # False: FP8 rotation with fp16 hi operands only (one product a stage)
+    precise_fp8: bool = True  # False: FP8 rotation with hi operands only (one product a stage)
+    max_registers: int | None = None  # the compiler's register cap per thread (maxnreg)
 
     @property
     def label(self) -> str:
         split = f"chunks{self.chunk}" if self.split == "chunks" else self.split
-        stages = "" if self.num_stages is None else f"/s{self.num_stages}"
-        hi_only = "" if self.precise_fp8 else "/fp8hi"
-        return (f"{self.rotate_impl}/{split}/tile{self.tile_elements or 'auto'}/w{self.num_warps or 'auto'}"
-                f"{stages}{hi_only}")
+        extra = "" if self.num_stages is None else f"/s{self.num_stages}"
+        extra += "" if self.precise_fp8 else "/fp8hi"
+        extra += "" if self.max_registers is None else f"/r{self.max_registers}"
+        return f"{self.rotate_impl}/{split}/tile{self.tile_elements or 'auto'}/w{self.num_warps or 'auto'}{extra}"
 
 
-BASELINE = Variant("permute", "pow2")
-# pass 1: the original path and the variants most likely to win; pass 2: the rest of the sweep
+V = Variant
+BASELINE = V("permute", "pow2")
+# pass 1: the original path and the variants most likely to win (by their sm_90 SASS: instructions per
+# element, registers, shared memory); pass 2: the rest of the sweep, while the time budget lasts
 ROTATED = (
-    [BASELINE, Variant("batched", "pow2"), Variant("batched", "pieces"), Variant("permute", "pieces"),
-     Variant("batched", "chunks", 4096, 8, 1024), Variant("batched", "chunks", 1024, 4, 1024),
-     Variant("batched", "chunks", 2048, 4, 2048), Variant("permute", "pow2", precise_fp8=False),
-     Variant("batched", "pieces", precise_fp8=False)],
-    [Variant("permute", "pow2", None, 4), Variant("batched", "pow2", None, 4), Variant("batched", "pow2", None, 8),
-     Variant("dense", "pow2"), Variant("batched", "pieces", None, 4), Variant("batched", "pieces", None, 8),
-     Variant("batched", "pieces", 8192, 8), Variant("batched", "pieces", 8192, 4),
-     Variant("permute", "chunks", 1024, 4, 1024), Variant("dense", "chunks", 4096, 4, 1024),
-     Variant("batched", "chunks", 2048, 4, 512), Variant("batched", "chunks", 1024, 4, 256),
-     Variant("batched", "chunks", 4096, 8, 2048), Variant("batched", "chunks", 4096, 8, 4096),
-     Variant("batched", "chunks", 4096, 8, 1024, 1), Variant("batched", "chunks", 1024, 4, 1024, 1),
-     Variant("batched", "pow2", precise_fp8=False)],
+    [BASELINE, V("batched", "pow2"), V("tf32", "pow2"), V("batched", "pieces"), V("tf32", "pieces"),
+     V("tf32", "pieces", None, 16), V("tf32", "chunks", 1024, 4, 1024, 1),
+     V("permute", "pow2", precise_fp8=False), V("tf32", "pieces", precise_fp8=False)],
+    [V("permute", "pow2", None, 4), V("batched", "pow2", None, 4), V("tf32", "pow2", None, 16),
+     V("permute", "pieces"), V("batched", "pieces", None, 16), V("tf32", "pieces", None, 4),
+     V("tf32", "pieces", 8192, 8), V("tf32", "pieces", 8192, 16), V("tf32", "pieces", max_registers=80),
+     V("tf32", "pieces", None, 16, max_registers=64), V("tf32", "pieces", 8192, 8, max_registers=80),
+     V("dense", "pow2"), V("batched", "chunks", 1024, 4, 1024), V("batched", "chunks", 4096, 8, 1024),
+     V("tf32", "chunks", 2048, 4, 2048, 1), V("tf32", "chunks", 4096, 8, 1024, 1), V("permute", "chunks", 1024, 4, 1024),
+     V("dense", "chunks", 4096, 8, 1024, 1), V("batched", "pieces", precise_fp8=False),
+     V("tf32", "pieces", None, 16, precise_fp8=False)],
 )
 PLAIN = (
-    [BASELINE, Variant("permute", "pieces"), Variant("permute", "chunks", 4096, 4, 1024)],
-    [Variant("permute", "pow2", 8192, 8), Variant("permute", "pieces", 8192, 8),
-     Variant("permute", "chunks", 2048, 4, 2048)],
+    [BASELINE, V("permute", "pieces"), V("permute", "chunks", 4096, 4, 1024)],
+    [V("permute", "pow2", 8192, 8), V("permute", "pieces", 8192, 8), V("permute", "pieces", None, 16),
+     V("permute", "chunks", 2048, 4, 2048)],
 )
 ROTATIONS = (("regular", 256), ("sylvester", 128), ("none", 0))  # ConvRot first: the W8A8 target
 
@@ -185,7 +187,8 @@ class _Case:
         return act_quant_triton(self.xs[i], self.out_dtype, self.qmax, self.rotation, self.group, None, False,
                                 out=self.outs[i] if out else None, tile_elements=variant.tile_elements,
                                 num_warps=variant.num_warps, rotate_impl=variant.rotate_impl, split=variant.split,
-                                chunk=variant.chunk, num_stages=variant.num_stages, precise_fp8=variant.precise_fp8)
+                                chunk=variant.chunk, num_stages=variant.num_stages, precise_fp8=variant.precise_fp8,
+                                max_registers=variant.max_registers)
 
     def baseline(self):
         if self._baseline is None:
