@@ -46,6 +46,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .backend import interpreting
 from .hadamard import hadamard_matrix
@@ -180,14 +181,18 @@ def _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB: tl.conste
 @triton.jit
 def _store_codes(q_ptrs, y, mask, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Store ``y`` (code units, clamped) as FP8 or INT8 codes, ``PERM_BLOCK``-permuted for INT8."""
+    """Store ``y`` (code units, within qmax) as FP8 or INT8 codes, ``PERM_BLOCK``-permuted for INT8.
+    ``HW_FP8_CAST`` (on a GPU): the hardware rounds, to nearest even as the hand rounding does."""
     if OUT_FP8:
         if HW_FP8_CAST:
             tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
         else:
             tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
     else:
-        q = _rint(y).to(tl.int8)
+        if HW_FP8_CAST:
+            q = libdevice.rint(y).to(tl.int8)
+        else:
+            q = _rint(y).to(tl.int8)
         if PERM_BLOCK > 0:
             q = tl.reshape(q, (BLOCK_M, WIDTH // PERM_BLOCK, PERM_BLOCK // 2, 2))
             q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, WIDTH))
@@ -363,7 +368,11 @@ def _finish_piece(x, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, OF
     if ROTATE:
         SB: tl.constexpr = BLOCK_M * W // 256
         x = tl.reshape(x, (SB, 256))
-        x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
+        if ROT_IMPL == 3:  # left unnormalized: the kernel folds 1/sqrt(G) into the row's abs-max and inverse
+            x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, 1.0, SB, TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
+        else:
+            x = _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL, PRECISE,
+                                    ROUND_IN)
         x = tl.reshape(x, (BLOCK_M, W))
     return x
 
@@ -371,8 +380,9 @@ def _finish_piece(x, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, OF
 @triton.jit
 def _store_piece(q_rows, y, inv, qmax, row_ok, K, OFF: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
                  OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr):
+    # no clamp: |y| <= amax of these very values, so |y * inv| <= qmax (1 + 2^-23), which rounds to qmax
     cols = OFF + tl.arange(0, W)
-    y = tl.minimum(tl.maximum(y * inv[:, None], -qmax), qmax)
+    y = y * inv[:, None]
     _store_codes(q_rows[:, None] + cols[None, :], y, row_ok[:, None] & (cols < K)[None, :], OUT_FP8, PERM_BLOCK,
                  HW_FP8_CAST, BLOCK_M, W)
 
@@ -425,10 +435,16 @@ def _act_quant_pieces_kernel(
         x3 = _finish_piece(x3, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, O3, W3, BLOCK_M, CENTER,
                            ROTATE, TWO_STAGE, ROT_IMPL, PRECISE, ROUND_IN)
         amax = tl.maximum(amax, tl.max(tl.abs(x3), axis=1))
+    if ROTATE:
+        if ROT_IMPL == 3:
+            amax = amax * rot_norm  # the normalized rotation's abs-max (rounding is monotonic)
     amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
     inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
     scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
+    if ROTATE:
+        if ROT_IMPL == 3:
+            inv = inv * rot_norm  # one multiply per element: unnormalized value times 1/sqrt(G) / scale
     _store_piece(q_rows, x0, inv, qmax, row_ok, K, 0, W0, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
     if W1 > 0:
         _store_piece(q_rows, x1, inv, qmax, row_ok, K, O1, W1, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)

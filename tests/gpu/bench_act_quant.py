@@ -65,10 +65,10 @@ BASELINE = V("permute", "pow2")
 # element, registers, shared memory); pass 2: the rest of the sweep, while the time budget lasts
 ROTATED = (
     [BASELINE, V("batched", "pow2"), V("tf32", "pow2"), V("batched", "pieces"), V("tf32", "pieces"),
-     V("tf32", "pieces", None, 16), V("tf32", "chunks", 1024, 4, 1024, 1),
+     V("tf32", "pieces", None, 4), V("tf32", "pieces", None, 16), V("tf32", "chunks", 1024, 4, 1024, 1),
      V("permute", "pow2", precise_fp8=False), V("tf32", "pieces", precise_fp8=False)],
     [V("permute", "pow2", None, 4), V("batched", "pow2", None, 4), V("tf32", "pow2", None, 16),
-     V("permute", "pieces"), V("batched", "pieces", None, 16), V("tf32", "pieces", None, 4),
+     V("permute", "pieces"), V("batched", "pieces", None, 16), V("batched", "pieces", None, 4),
      V("tf32", "pieces", 8192, 8), V("tf32", "pieces", 8192, 16), V("tf32", "pieces", max_registers=80),
      V("tf32", "pieces", None, 16, max_registers=64), V("tf32", "pieces", 8192, 8, max_registers=80),
      V("dense", "pow2"), V("batched", "chunks", 1024, 4, 1024), V("batched", "chunks", 4096, 8, 1024),
