@@ -25,9 +25,10 @@ Two decodes:
 
 sm_90 variants, picked by the :class:`GemmConfig` flags (the dispatcher measures them too):
 
-* ``tma`` – the activation halves and the packed weight tile arrive by TMA (bulk tensor copies
-  into shared memory, pipelined; the pointer loads of the weight tile are not, since they feed the
-  register decode); rows past ``M`` / ``N`` come back as zeros.
+* ``tma`` – the activation halves arrive by TMA (bulk tensor copies into shared memory, pipelined),
+  and for signed nibbles the packed weight tile too (the codebook decode's gathers keep fewer
+  registers live with the weight tile read through pointers: ``_TMA_WEIGHT``); rows past ``M`` / ``N``
+  come back as zeros.
 * ``tma_store`` – the scaled output tile leaves through a TMA store (the copy engine clips rows and
   columns past the output's shape); ``subtile`` stores it as two ``BLOCK_N / 2`` halves, half the
   staging buffer. The scale / bias arithmetic is the pointer epilogue's, in the same order.
@@ -82,36 +83,40 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
 @triton.jit
 def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, K, stride_am, stride_wn, stride_sn,
              CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
-             TMA_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             TMA_A: tl.constexpr, TMA_W: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``.
 
-    ``TMA_LOAD``: ``a`` and ``w`` are TMA descriptors (blocks ``[BLOCK_M, BLOCK_K / 2]`` and
+    ``TMA_A`` / ``TMA_W``: ``a`` / ``w`` is a TMA descriptor (blocks ``[BLOCK_M, BLOCK_K / 2]`` /
     ``[BLOCK_N, BLOCK_K / 2]``: the even and odd halves of the activation tile are two copies, so
     each lands in shared memory as the tensor-core operand it is); rows past ``M`` / ``N`` arrive as
-    zeros. Otherwise they are pointers, read at clamped (valid) rows."""
+    zeros. Otherwise it is a pointer, read at clamped (valid) rows."""
     HALF: tl.constexpr = BLOCK_K // 2
     offs_n = off_n + tl.arange(0, BLOCK_N)
     rows_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)  # the group-scale rows (codebook)
-    if not TMA_LOAD:
+    offs_h = tl.arange(0, HALF)
+    if not TMA_A:
         offs_m = off_m + tl.arange(0, BLOCK_M)
         rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-        offs_h = tl.arange(0, HALF)
         a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + offs_h[None, :]
+    if not TMA_W:
         w_ptrs = w + rows_b[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k in range(0, K // BLOCK_K):  # K is a multiple of BLOCK_K (checked by the launcher)
-        if TMA_LOAD:
+        if TMA_A:
             a_even = a.load([off_m, k * BLOCK_K])
             a_odd = a.load([off_m, k * BLOCK_K + HALF])
-            packed = w.load([off_n, k * HALF])
         else:
             a_even = tl.load(a_even_ptrs)
             a_odd = tl.load(a_even_ptrs + HALF)
-            packed = tl.load(w_ptrs)
             a_even_ptrs += BLOCK_K
+        if TMA_W:
+            packed = w.load([off_n, k * HALF])
+        else:
+            packed = tl.load(w_ptrs)
             w_ptrs += HALF
         low, high = _decode_w4(packed, s_ptr, table_ptr, rows_b, k * HALF, stride_sn,
                                CODEBOOK, GROUP, USE_PTX, BLOCK_N, HALF)
@@ -165,7 +170,7 @@ def _w4a8_mm_kernel(
     a, w, c, a_scale_ptr, w_scale_ptr, bias_ptr, s_ptr, table_ptr,
     M, N, K, stride_am, stride_wn, stride_sn, stride_cm,
     CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
-    SWAP_AB: tl.constexpr, TMA_LOAD: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+    SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -179,13 +184,13 @@ def _w4a8_mm_kernel(
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
-                           stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_LOAD, BLOCK_M, BLOCK_N, BLOCK_K)
+                           stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
             _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                       HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
-                       stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_LOAD, BLOCK_M, BLOCK_N, BLOCK_K)
+                       stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
         _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                   HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
 
@@ -224,11 +229,12 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     half = config.block_k // 2
     tma_ok = _tma_device(a.device)
-    tma_load = config.tma and tma_ok and _describable(a) and _describable(packed)
+    tma_a = config.tma and tma_ok and _describable(a)
+    tma_w = config.tma and tma_ok and _describable(packed) and _TMA_WEIGHT[codebook]
     tma_store = getattr(config, "tma_store", False) and tma_ok and out.dtype in _STORABLE and _describable(out)
     subtile = tma_store and getattr(config, "subtile", False)
-    a_arg = tma_descriptor(a, (config.block_m, half)) if tma_load else a
-    w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_load else packed
+    a_arg = tma_descriptor(a, (config.block_m, half)) if tma_a else a
+    w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_w else packed
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
     _LAUNCHER.launch(
@@ -236,16 +242,30 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
         (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
          s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
          m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0)),
-        dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=bias is not None,
-             USE_PTX=_use_ptx(a), SWAP_AB=config.swap_ab, TMA_LOAD=tma_load, TMA_STORE=tma_store, SUBTILE=subtile,
-             PERSISTENT=config.persistent,
-             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m),
+        kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
+                          use_ptx=_use_ptx(a), tma_a=tma_a, tma_w=tma_w, tma_store=tma_store),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
+def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
+                      tma_a: bool, tma_w: bool, tma_store: bool) -> dict:
+    """The constexpr arguments of :func:`_w4a8_mm_kernel`, in parameter order, for one variant
+    (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
+    return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
+                SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
+                SUBTILE=tma_store and getattr(config, "subtile", False), PERSISTENT=config.persistent,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
+
+
 _LAUNCHER = TritonLauncher(_w4a8_mm_kernel)
+# By weight kind (codebook?): whether ``tma`` brings the packed weight tile by TMA too, or only the activation.
+# Offline sm_90 compiles (Triton 3.8, ptxas -v): with signed nibbles TMA weight tiles spill no register in any
+# listed config; with the codebook's table gathers they spill 100-420 bytes where pointer loads spill 24-84
+# (4-warp and 128x256 tiles; 8-warp 128x128: none either way, 132 registers instead of 202).
+# tests/gpu/sweep_w4_gemm.py measures the other choice too ("+alt-weight-load").
+_TMA_WEIGHT = {False: True, True: False}
 _STORABLE = (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -120,10 +120,31 @@ def test_tma_variant_equals_pointer_kernel(variant, codebook, bias, shape, dtype
     half = config.block_k // 2
     want = []
     if config.tma:
-        want += [(torch.int8, (config.block_m, half)), (torch.int8, (config.block_n, half))]
+        want.append((torch.int8, (config.block_m, half)))
+        if triton_w4_gemm._TMA_WEIGHT[codebook]:
+            want.append((torch.int8, (config.block_n, half)))
     if config.tma_store:
         want.append((dtype, (config.block_m, config.block_n // (2 if config.subtile else 1))))
     assert descriptors == want, "the variant did not run through the descriptors its flags name"
+
+
+@pytest.mark.parametrize("variant", ["tma-tmastore-sub-k128", "swap-tma-tmastore", "tma-persistent-tmastore-sub"])
+@pytest.mark.parametrize("codebook", [False, True], ids=["nibbles", "codebook"])
+@pytest.mark.parametrize("weight_by_tma", [True, False], ids=["weight-tma", "weight-pointers"])
+def test_weight_tile_by_tma_or_pointers(variant, codebook, weight_by_tma, monkeypatch, descriptors):
+    """Both ways of reading the packed weight tile under ``tma`` (the default per weight kind is
+    ``_TMA_WEIGHT``), for both weight kinds: the pointer kernel's bits."""
+    monkeypatch.setitem(triton_w4_gemm._TMA_WEIGHT, codebook, weight_by_tma)
+    config = dataclasses.replace(BASE, **VARIANTS[variant])
+    m, n = 37, 72
+    problem = _problem(m, n, codebook, True, seed=30)
+    pointer = dataclasses.replace(BASE, block_k=config.block_k)
+    expected = _run(problem, pointer, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
+    out, _ = _poisoned_view(m, n, torch.bfloat16)
+    _run(problem, config, out)
+    assert torch.equal(out, expected)
+    int8_descriptors = [shape for dtype, shape in descriptors if dtype == torch.int8]
+    assert len(int8_descriptors) == (2 if weight_by_tma else 1), "activation (and weight) descriptors"
 
 
 @pytest.mark.parametrize("variant", ["tma-tmastore", "tma-persistent-tmastore-sub"])
@@ -148,7 +169,8 @@ def test_undescribable_output_falls_back_to_pointer_stores(descriptors):
     expected = _run(problem, BASE, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
     out = _run(problem, config, torch.full((m, n), float("nan"), dtype=torch.bfloat16))
     assert torch.equal(out, expected)
-    assert [shape for _, shape in descriptors] == [(32, 32), (32, 32)], "only the operand descriptors"
+    operands = [(32, 32), (32, 32)] if triton_w4_gemm._TMA_WEIGHT[True] else [(32, 32)]
+    assert [shape for _, shape in descriptors] == operands, "only the operand descriptors"
 
 
 def test_ragged_k_is_refused_by_the_tma_variants():
@@ -174,12 +196,49 @@ def test_gpu_sweep_script_runs_in_the_interpreter(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads(report_path.read_text())
     assert set(report["configs"]) == set(names)
+    variants = {"nibbles": names, "codebook": names + [name + "+alt-weight-load" for name in names]}
     assert {key: row["state"] for key, row in report["phase1"].items()} == {
-        f"{name}/{kind}": "done" for name in names for kind in ("nibbles", "codebook")}
+        f"{name}/{kind}": "done" for kind in variants for name in variants[kind]}
     assert all(row["ok"] for row in report["phase1"].values()), report["phase1"]
     (row,) = report["results"]
     for kind in ("nibbles", "codebook"):
         entry = row["kinds"][kind]
         assert entry["reference_rel_err_vs_fp64"] < 2**-7
-        for name in names:
+        assert set(entry["configs"]) == set(variants[kind])
+        for name in variants[kind]:
             assert entry["configs"][name]["bit_exact"] is True and entry["configs"][name]["us"] > 0
+
+
+def _ptxas() -> str | None:
+    try:
+        import triton
+
+        path = triton.knobs.nvidia.ptxas.path
+    except Exception:  # noqa: BLE001 - no NVIDIA backend in this Triton
+        return None
+    return path if path and __import__("os").path.isfile(path) else None
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend (ptxas) is not installed")
+def test_tma_variants_compile_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter never lowers the kernel: compile TMA variants for sm_90 offline (what the GPU
+    will compile) and check they fit in shared memory; the 8-warp 128x128 one spills no registers."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "gpu" / "sweep_w4_gemm.py"
+    names = ["128x128x128-g8-w8-s3-tma-tmastore", "128x256x128-g8-w8-s3-tma-persistent-tmastore-sub"]
+    report_path = tmp_path / "compile.json"
+    done = subprocess.run([sys.executable, str(script), "--compile-only", "--workers", "2", "--alt-kinds",
+                           "--configs", *names, "--out", str(report_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    results = json.loads(report_path.read_text())["results"]
+    assert set(results) == {f"{name}/{kind}" for name in names for kind in ("nibbles", "codebook")}
+    for key, row in results.items():
+        assert "error" not in row, f"{key}: {row.get('error')}"
+        assert row["fits_sm90"] and row["shared_bytes"] > 0, (key, row)
+    for kind in ("nibbles", "codebook"):
+        row = results[f"{names[0]}/{kind}"]
+        assert row.get("spill_store_bytes") in (0, None), (kind, row)

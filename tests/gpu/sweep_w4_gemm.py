@@ -21,12 +21,15 @@ Checks, recorded per config rather than raised:
 
 The run stops starting new shapes after ``--budget-s`` seconds (the rest is marked skipped); the JSON
 report is rewritten after every shape. ``--smoke`` runs the same code on the CPU in Triton's
-interpreter at a tiny shape (minutes per config there: pass ``--configs``).
+interpreter at a tiny shape (minutes per config there: pass ``--configs``). ``--compile-only`` needs
+no GPU: it compiles every config for sm_90 with Triton's bundled ptxas and reports shared memory,
+registers and spill stores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -43,9 +46,9 @@ SHAPES = ((3072, 3072), (9216, 3072), (12288, 3072), (3072, 12288), (15360, 3072
 MS = (4096, 1024, 256)
 KINDS = ("nibbles", "codebook")
 GROUP = 16  # codebook group size (asym_w4a8_int8's default)
-# The TMA variants proposed for gemm_config's W4 lists. Offline sm_90 compiles (Triton 3.8, ptxas -v): all
-# fit in shared memory; with nibbles none spills registers, with the codebook the 8-warp ones and 128x64
-# don't (the table gathers' addresses are the pressure). Every pointer-load config spills 0.2-3 KB.
+# The TMA variants proposed for gemm_config's W4 lists. Offline sm_90 compiles (``--compile-only``, Triton
+# 3.8): all fit in shared memory; with nibbles none spills a register; with the codebook the 4-warp 128-row
+# and the 128x256 tiles spill 24-448 bytes (the table gathers), the 8-warp 128x128 / 256x128 ones nothing.
 NEW_VARIANTS = (
     # M > 1024
     "128x128x128-g8-w4-s3-tma-tmastore", "128x128x128-g8-w8-s3-tma-tmastore",
@@ -69,6 +72,36 @@ def candidate_names(only: list[str] | None) -> list[str]:
     listed = [c.name for c in (*getattr(gemm_config, "_W4_LARGE", ()), *getattr(gemm_config, "_W4_SMALL", ()))]
     names = list(dict.fromkeys([*listed, *NEW_VARIANTS]))
     return [n for n in names if n in only] + [n for n in only if n not in names] if only else names
+
+
+ALT = "+alt-weight-load"  # a variant name suffix: the packed weight tile read the other way (TMA <-> pointers)
+
+
+def variant_names(names: list[str], kind: str, alt_kinds) -> list[str]:
+    """``names``, plus for a kind in ``alt_kinds`` each ``tma`` config with the other weight-tile load
+    than the kernel's default for that kind (``triton_w4_gemm._TMA_WEIGHT``)."""
+    alts = []
+    for name in names if kind in alt_kinds else ():
+        try:
+            if parse_config(name).tma:
+                alts.append(name + ALT)
+        except ValueError:
+            pass  # a bad name: reported by its own entry
+    return names + alts
+
+
+@contextlib.contextmanager
+def weight_load(kind: str, alt: bool):
+    """Inside: the kernel reads the packed weight tile of ``kind`` the other way when ``alt``."""
+    from lowbit.kernels import triton_w4_gemm
+
+    codebook = kind == "codebook"
+    saved = triton_w4_gemm._TMA_WEIGHT[codebook]
+    triton_w4_gemm._TMA_WEIGHT[codebook] = saved != alt
+    try:
+        yield
+    finally:
+        triton_w4_gemm._TMA_WEIGHT[codebook] = saved
 
 
 def reference_config(m: int):
@@ -115,19 +148,21 @@ def fp64_reference(problem: dict):
                                problem["bias"], None, None, torch.float32)
 
 
-def run_w4(problem: dict, a_perm, config, out, packed=None, w_scale=None, s_rel=None):
+def run_w4(problem: dict, a_perm, config, out, packed=None, w_scale=None, s_rel=None, alt: bool = False):
     from lowbit.kernels.triton_w4_gemm import w4a8_mm_triton
 
-    return w4a8_mm_triton(a_perm, problem["packed"] if packed is None else packed, problem["a_scale"],
-                          problem["w_scale"] if w_scale is None else w_scale, problem["bias"],
-                          problem["s_rel"] if s_rel is None else s_rel, problem["table"], GROUP, out.dtype, config,
-                          out=out)
+    with weight_load("codebook" if problem["s_rel"] is not None else "nibbles", alt):
+        return w4a8_mm_triton(a_perm, problem["packed"] if packed is None else packed, problem["a_scale"],
+                              problem["w_scale"] if w_scale is None else w_scale, problem["bias"],
+                              problem["s_rel"] if s_rel is None else s_rel, problem["table"], GROUP, out.dtype,
+                              config, out=out)
 
 
 def parse_config(name: str):
+    """The GemmConfig of a variant name (its ``ALT`` suffix dropped)."""
     from lowbit.kernels.gemm_config import GemmConfig
 
-    return GemmConfig.from_name(name)
+    return GemmConfig.from_name(name.removesuffix(ALT))
 
 
 # ---- timing -------------------------------------------------------------------------------------
@@ -215,7 +250,8 @@ def worker_main(args) -> int:
                                         dtype=torch.bfloat16)
                     out = buffer[:m, :n]
                     start = time.perf_counter()
-                    run_w4(problem, permute_columns(problem["a"], config.block_k), config, out)
+                    run_w4(problem, permute_columns(problem["a"], config.block_k), config, out,
+                           alt=name.endswith(ALT))
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     first_s = time.perf_counter() - start
@@ -243,7 +279,7 @@ def worker_main(args) -> int:
 def run_workers(names: list[str], kinds, args, deadline: float) -> dict:
     """``{(name, kind): result row}`` from ``args.workers`` subprocesses, re-spawning for tasks a dead
     worker did not reach (up to three rounds)."""
-    pending = [(name, kind) for name in names for kind in kinds]
+    pending = [(name, kind) for kind in kinds for name in variant_names(names, kind, args.alt_kinds)]
     results: dict = {}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.smoke:
@@ -290,6 +326,73 @@ def run_workers(names: list[str], kinds, args, deadline: float) -> dict:
     for task in pending:  # measured anyway in phase 2 (compiled there)
         results[task] = {"state": "unchecked", "why": "phase 1 out of time, or its workers failed"}
     return results
+
+
+# ---- without a GPU: offline sm_90 compiles ------------------------------------------------------
+
+def offline_compile(name: str, kind: str, arch: int = 90) -> dict:
+    """Compile one variant for ``sm_<arch>`` on any machine (Triton's own ptxas; no GPU, no interpreter):
+    its shared memory, and with ``ptxas -v`` its registers and spill stores. The signature is what the
+    launcher passes at the measured shapes (16-aligned pointers and sizes, bf16 output and bias)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from lowbit.kernels.triton_w4_gemm import _w4a8_mm_kernel as kernel
+    from lowbit.kernels.triton_w4_gemm import _TMA_WEIGHT, kernel_constexprs
+
+    config = parse_config(name)
+    tma_store = getattr(config, "tma_store", False)
+    half, store_n = config.block_k // 2, config.block_n // (2 if tma_store and config.subtile else 1)
+    codebook = kind == "codebook"
+    runtime = [f"tensordesc<i8[{config.block_m}, {half}]>" if config.tma else "*i8", None,
+               f"tensordesc<bf16[{config.block_m}, {store_n}]>" if tma_store else "*bf16",
+               "*fp32", "*fp32", "*bf16", "*u8" if codebook else "*i8", "*i8"] + ["i32"] * 7
+    tma_w = config.tma and (_TMA_WEIGHT[codebook] != name.endswith(ALT))
+    constexprs = kernel_constexprs(config, codebook=codebook, group_size=GROUP, has_bias=True, use_ptx=True,
+                                   tma_a=config.tma, tma_w=tma_w, tma_store=tma_store)
+    runtime[1] = f"tensordesc<i8[{config.block_n}, {half}]>" if tma_w else "*i8"
+    if len(kernel.arg_names) != len(runtime) + len(constexprs):
+        raise RuntimeError(f"the kernel's parameters changed: {kernel.arg_names}; update offline_compile")
+    signature = {**dict(zip(kernel.arg_names, runtime)), **{key: "constexpr" for key in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(runtime) if not t.startswith("tensordesc")}
+    start = time.perf_counter()
+    compiled = triton.compile(triton.compiler.ASTSource(kernel, signature, constexprs, attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    row = {"shared_bytes": compiled.metadata.shared, "fits_sm90": compiled.metadata.shared <= 227 * 1024,
+           "compile_s": round(time.perf_counter() - start, 2)}
+    ptxas = getattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "ptxas", None)
+    ptxas = getattr(ptxas, "path", None)
+    if ptxas and os.path.isfile(ptxas):
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = Path(tmp) / "kernel.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+                                 capture_output=True, text=True).stderr
+        regs, spills = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
+        row.update(registers=int(regs.group(1)) if regs else None, spill_store_bytes=int(spills.group(1)) if spills
+                   else None)
+    return row
+
+
+def _offline_task(task: tuple[str, str]) -> tuple[str, dict]:
+    name, kind = task
+    try:
+        return f"{name}/{kind}", offline_compile(name, kind)
+    except Exception as err:  # noqa: BLE001 - recorded per config
+        return f"{name}/{kind}", {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+
+
+def compile_only(names: list[str], args) -> dict:
+    """Every config and weight kind compiled offline for sm_90, in ``args.workers`` processes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    tasks = [(name, kind) for kind in KINDS for name in variant_names(names, kind, args.alt_kinds)]
+    with ProcessPoolExecutor(max(1, args.workers), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return dict(pool.map(_offline_task, tasks))
 
 
 # ---- phase 2: the measurements ------------------------------------------------------------------
@@ -343,7 +446,8 @@ def measure_kind(m, n, k, kind, names, prechecks, args, device, bf16_us) -> dict
     for _ in range(copies_for(nbytes, args.rotate_mb) - 1):
         rotated.append(tuple(t.clone() if t is not None else None for t in rotated[0]))
     out = torch.empty((m, n), device=device, dtype=torch.bfloat16)
-    for name in names:
+    for name in variant_names(names, kind, args.alt_kinds):
+        alt = name.endswith(ALT)
         result = entry["configs"].setdefault(name, {})
         check = prechecks.get((name, kind), {})
         if check.get("state") == "error":
@@ -357,14 +461,15 @@ def measure_kind(m, n, k, kind, names, prechecks, args, device, bf16_us) -> dict
             a_perm = perm(config.block_k)
             poisoned = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
             start = time.perf_counter()
-            got = run_w4(problem, a_perm, config, poisoned)
+            got = run_w4(problem, a_perm, config, poisoned, alt=alt)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             result["first_call_s"] = round(time.perf_counter() - start, 3)  # long: compiled here, not in phase 1
             if expected is not None:
                 result["bit_exact"] = bool(torch.equal(got, expected))
                 result["max_abs_diff"] = float((got.float() - expected.float()).abs().nan_to_num(math.inf).max())
-            calls = [lambda c=c, a=a_perm, cfg=config: run_w4(problem, a, cfg, out, *c) for c in rotated]
+            calls = [lambda c=c, a=a_perm, cfg=config, alt=alt: run_w4(problem, a, cfg, out, *c, alt=alt)
+                     for c in rotated]
             result["us"] = time_us(calls * max(1, -(-args.calls // len(calls))), device, args.replays)
             result["speedup_vs_bf16"] = bf16_us / result["us"]
             if check.get("state") == "done" and not check.get("ok"):
@@ -381,7 +486,7 @@ def measure_kind(m, n, k, kind, names, prechecks, args, device, bf16_us) -> dict
     return entry
 
 
-def summarize(rows: list[dict], names: list[str]) -> dict:
+def summarize(rows: list[dict]) -> dict:
     """Per M and kind: each config's geometric-mean speedup over bf16 across the shapes it ran on all
     of, and the best config per shape."""
     summary = {}
@@ -390,7 +495,7 @@ def summarize(rows: list[dict], names: list[str]) -> dict:
         for kind in KINDS:
             entries = [(r, r["kinds"][kind]) for r in at_m if kind in r["kinds"]]
             geo = {}
-            for name in names:
+            for name in dict.fromkeys(name for _, e in entries for name in e["configs"]):
                 speedups = [e["configs"].get(name, {}).get("speedup_vs_bf16") for _, e in entries]
                 if speedups and all(s is not None for s in speedups):
                     geo[name] = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
@@ -414,7 +519,12 @@ def main(argv=None) -> int:
                    help="weight bytes cycled through per graph (default 128; an H200's L2 is 50 MB)")
     p.add_argument("--calls", type=int, default=None, help="calls per CUDA graph, at least (default 10)")
     p.add_argument("--replays", type=int, default=None, help="graph replays, median reported (default 5)")
+    p.add_argument("--alt-kinds", nargs="*", default=["codebook"], choices=KINDS,
+                   help=f"weight kinds whose tma configs are also run as '<config>{ALT}' (the packed weight "
+                        "tile read the other way than the kernel's default for the kind)")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, one call timed")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU needed: compile every config for sm_90 and report shared memory, registers, spills")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tasks", default="", help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
@@ -427,9 +537,21 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.worker:
         return worker_main(args)
+    if args.compile_only:
+        os.environ.pop("TRITON_INTERPRET", None)  # a real compile (children inherit this environment)
+        import triton
+
+        report = {"script": "sweep_w4_gemm --compile-only", "arch": "sm_90a", "triton": triton.__version__,
+                  "signature": "16-aligned pointers and sizes, bf16 bias and output, group size 16",
+                  "results": compile_only(candidate_names(args.configs), args)}
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"JSON report: {Path(args.out).resolve()}")
+        return 0
 
     import torch
     import triton
+
+    from lowbit.kernels.triton_w4_gemm import _TMA_WEIGHT
 
     device = torch.device(args.device)
     args.deadline = T0 + args.budget_s
@@ -441,6 +563,10 @@ def main(argv=None) -> int:
         "what": "W4 GEMM alone (INT8 codes given, bias, bf16 out) vs bf16 F.linear with bias",
         "rotate_mb": args.rotate_mb, "calls": args.calls, "replays": args.replays, "group_size": GROUP,
         "configs": names, "new_variants": [n for n in NEW_VARIANTS if n in names],
+        "alt_weight_load": {kind: f"'<config>{ALT}': the tma config with the packed weight tile read "
+                                  f"{'through pointers' if default else 'by TMA'} (the kernel's default: "
+                                  f"{'TMA' if default else 'pointers'})"
+                            for kind, default in ((kind, _TMA_WEIGHT[kind == "codebook"]) for kind in args.alt_kinds)},
     }
     out_path = Path(args.out)
 
@@ -471,7 +597,7 @@ def main(argv=None) -> int:
                 report["stopped"] = "CUDA context lost"
                 save()
                 break
-            report["summary"] = summarize(rows, names)
+            report["summary"] = summarize(rows)
             save()
             print(f"[{time.monotonic() - T0:5.1f}s] M={m} {n}x{k}: bf16 {rows[-1].get('bf16_us', 0):.1f} us, best "
                   + ", ".join(f"{kind} {e.get('best')} {e.get('best_us', 0):.1f} us"
@@ -479,7 +605,7 @@ def main(argv=None) -> int:
         else:
             continue
         break
-    report["summary"] = summarize(rows, names)
+    report["summary"] = summarize(rows)
     save()
     print(f"JSON report: {out_path.resolve()}")
     return 0
