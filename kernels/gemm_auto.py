@@ -124,8 +124,10 @@ class _GemmPlan:
     def names(self) -> list[str]:
         triton = triton_gemm_names(self.device, *self.a.shape) if self._triton_problem() is None else []
         torch_mm = ["torch"] if self._torch_ok() else []
-        if self.device.type == "cuda":  # the reference is never measured on a GPU (it cannot win)
-            return triton + torch_mm + (["eager"] if active_backend() is Backend.EAGER else [])
+        if self.device.type == "cuda":  # the reference is never measured on a GPU (it cannot win): it runs
+            # when forced, or when nothing else can (no Triton, and a shape torch's GEMMs refuse)
+            fallback = active_backend() is Backend.EAGER or not (triton or torch_mm)
+            return triton + torch_mm + (["eager"] if fallback else [])
         # CPU: nothing is measured; the interpreter only when forced (a correctness tool)
         return torch_mm + ["eager"] + (triton if interpreting() else [])
 
