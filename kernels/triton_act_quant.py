@@ -58,7 +58,8 @@ TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_K per program (registers: 8192 fp32 over
 ROTATE_IMPLS = {"permute": 0, "batched": 1, "dense": 2, "tf32": 3}  # the kernels' ROT_IMPL
 DEFAULT_ROTATE_IMPL = "permute"  # the original path until the variants are measured on a GPU
 ROW_SPLITS = ("pow2", "pieces", "chunks")  # how a program holds its rows (see act_quant_triton)
-DEFAULT_SPLIT = "pow2"  # the original kernel until the variants are measured on a GPU
+DEFAULT_SPLIT = "pow2"  # rotated rows: the original kernel until the variants are measured on a GPU
+DEFAULT_PLAIN_SPLIT = "pow2"  # rows without rotation (already at memory speed); outlier columns always "pow2"
 
 
 @triton.jit
@@ -564,7 +565,8 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     :func:`lowbit.kernels.reference.act_quant_outliers_reference` (``None``: no extra work).
 
     Variants (benchmark sweeps; every one meets the same accuracy contract), ``None`` = the defaults
-    :data:`DEFAULT_ROTATE_IMPL` and :data:`DEFAULT_SPLIT`:
+    :data:`DEFAULT_ROTATE_IMPL` and :data:`DEFAULT_SPLIT` (:data:`DEFAULT_PLAIN_SPLIT` without rotation;
+    ``"pow2"`` with outlier columns, which only that kernel writes):
 
     * ``rotate_impl``: ``"permute"`` (the original: one power of two per row, layout permutes around
       the ``P`` stage), ``"batched"`` (one power of two per 256-wide super-block, the ``P`` stage a
@@ -587,7 +589,8 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     if tile_elements is None:  # measured on H200: 4096-element programs of 4 warps, rotated or not
         tile_elements = TILE_ELEMENTS // 2
     rotate_impl = DEFAULT_ROTATE_IMPL if rotate_impl is None else rotate_impl
-    split = DEFAULT_SPLIT if split is None else split
+    if split is None:
+        split = "pow2" if outlier_index is not None else DEFAULT_SPLIT if rotate else DEFAULT_PLAIN_SPLIT
     if rotate_impl != "permute" or split != "pow2":
         _check_variant(rotate_impl, split, chunk, rotate, perm_block, outlier_index is not None)
     if split != "pow2":

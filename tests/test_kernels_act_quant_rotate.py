@@ -226,6 +226,27 @@ def test_unsupported_variants_say_why():
                          split="chunks", chunk=256)
 
 
+def test_defaults_pick_the_kernel_and_keep_outlier_columns_on_theirs(monkeypatch):
+    # what the lead flips after measuring: DEFAULT_ROTATE_IMPL / DEFAULT_SPLIT route rotated calls, plain calls
+    # follow DEFAULT_PLAIN_SPLIT, and FP8 outlier columns stay on the whole-row kernel whatever the defaults say
+    from lowbit.kernels import triton_act_quant as aq
+    from lowbit.kernels.reference import act_quant_outliers_reference
+
+    monkeypatch.setattr(aq, "DEFAULT_ROTATE_IMPL", "tf32")
+    monkeypatch.setattr(aq, "DEFAULT_SPLIT", "pieces")
+    x = randn(5, 768, seed=23, scale=2, dtype=torch.bfloat16)
+    pieces_before, pow2_before = aq._PIECES_LAUNCHER.slow_launches, aq._LAUNCHER.slow_launches
+    q, scale, _ = aq.act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False)
+    assert aq._PIECES_LAUNCHER.slow_launches == pieces_before + 1
+    _assert_int8_near(q, act_quant_reference(x, torch.int8, None, "regular", 256)[0])
+    aq.act_quant_triton(x, torch.int8, 127.0, "none", 0, None, False)
+    assert aq._LAUNCHER.slow_launches == pow2_before + 1  # DEFAULT_PLAIN_SPLIT is still "pow2"
+    index = torch.tensor([3, 700], dtype=torch.int32)
+    q, scale, _ = aq.act_quant_triton(x, FP8, 448.0, "none", 0, None, False, outlier_index=index)
+    q_ref, scale_ref = act_quant_outliers_reference(x, index)
+    assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8)) and torch.equal(scale, scale_ref)
+
+
 def test_original_path_is_the_default():
     # the default stays the original kernel until GPU measurements pick another (tests/gpu/bench_act_quant.py)
     from lowbit.kernels import triton_act_quant
