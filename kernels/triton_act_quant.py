@@ -674,7 +674,8 @@ def _act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, p
          m, k, x.stride(0), q.stride(0), float(qmax), float(norm)),
         dict(BLOCK_M=block_m, **widths, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
-             ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block, HW_FP8_CAST=x.is_cuda and not interpreting()),
+             ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
+             HW_FP8_CAST=x.is_cuda and not interpreting()),
         **options,
     )
     return q, scale, mean

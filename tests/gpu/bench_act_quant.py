@@ -72,7 +72,8 @@ ROTATED = (
      V("tf32", "pieces", 8192, 8), V("tf32", "pieces", 8192, 16), V("tf32", "pieces", max_registers=80),
      V("tf32", "pieces", None, 16, max_registers=64), V("tf32", "pieces", 8192, 8, max_registers=80),
      V("dense", "pow2"), V("batched", "chunks", 1024, 4, 1024), V("batched", "chunks", 4096, 8, 1024),
-     V("tf32", "chunks", 2048, 4, 2048, 1), V("tf32", "chunks", 4096, 8, 1024, 1), V("permute", "chunks", 1024, 4, 1024),
+     V("tf32", "chunks", 2048, 4, 2048, 1), V("tf32", "chunks", 4096, 8, 1024, 1),
+     V("permute", "chunks", 1024, 4, 1024),
      V("dense", "chunks", 4096, 8, 1024, 1), V("batched", "pieces", precise_fp8=False),
      V("tf32", "pieces", None, 16, precise_fp8=False)],
 )
@@ -81,6 +82,7 @@ PLAIN = (
     [V("permute", "pow2", 8192, 8), V("permute", "pieces", 8192, 8), V("permute", "pieces", None, 16),
      V("permute", "chunks", 2048, 4, 2048)],
 )
+HADANORM = [BASELINE, V("tf32", "pieces"), V("batched", "pieces"), V("tf32", "pieces", None, 4)]
 ROTATIONS = (("regular", 256), ("sylvester", 128), ("none", 0))  # ConvRot first: the W8A8 target
 
 
@@ -133,21 +135,23 @@ def main(argv=None) -> int:
         tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, path)
 
-    cases = [(m, k, codes, rotation, group) for codes in ("int8", "fp8") for rotation, group in ROTATIONS
+    cases = [(m, k, codes, rotation, group, False) for codes in ("int8", "fp8") for rotation, group in ROTATIONS
              for k in ks for m in ms]
-    for pass_index in (0, 1):
+    hadanorm = [(ms[0], k, "int8", "sylvester", 128, True) for k in ks]  # smoothed + centred (pass 2, first)
+    for pass_index, pass_cases in ((0, cases), (1, hadanorm + cases)):
         if pass_index == 1 and (args.pass1_only or cpu):
             break
-        for m, k, codes, rotation, group in cases:
-            variants = (PLAIN if rotation == "none" else ROTATED)[pass_index]
+        for m, k, codes, rotation, group, smooth_center in pass_cases:
+            variants = HADANORM if smooth_center else (PLAIN if rotation == "none" else ROTATED)[pass_index]
             out_dtype = FP8 if codes == "fp8" else torch.int8
             qmax = 448.0 if codes == "fp8" else 127.0
-            bench = _Case(torch, device, m, k, out_dtype, qmax, rotation, group, act_quant_reference)
+            bench = _Case(torch, device, m, k, out_dtype, qmax, rotation, group, act_quant_reference, smooth_center)
             for variant in variants:
-                if (pass_index == 1 and variant == BASELINE) or (codes == "int8" and not variant.precise_fp8):
+                if (pass_index == 1 and variant == BASELINE and not smooth_center) or (
+                        codes == "int8" and not variant.precise_fp8):
                     continue  # (FP8 precision is an FP8-only knob)
                 row = {"m": m, "k": k, "codes": codes, "rotation": rotation, "group": group, "pass": pass_index + 1,
-                       "label": variant.label, "variant": asdict(variant)}
+                       "hadanorm": smooth_center, "label": variant.label, "variant": asdict(variant)}
                 if time.perf_counter() - started > args.budget_s:
                     report["skipped"].append(row)
                     continue
@@ -168,11 +172,13 @@ def main(argv=None) -> int:
 class _Case:
     """One shape and code format: its inputs (several buffers), the original path's codes, the reference's."""
 
-    def __init__(self, torch, device, m, k, out_dtype, qmax, rotation, group, reference):
+    def __init__(self, torch, device, m, k, out_dtype, qmax, rotation, group, reference, smooth_center=False):
         self.torch, self.device = torch, device
         self.m, self.k, self.out_dtype, self.qmax, self.rotation, self.group = m, k, out_dtype, qmax, rotation, group
         buffers = 1 if device.type == "cpu" else max(1, min(8, math.ceil(L2_FLUSH_BYTES / (m * k * 3))))
         gen = torch.Generator(device="cpu").manual_seed(m + k)
+        self.smooth = (torch.rand(k, generator=gen) + 0.5).to(device) if smooth_center else None
+        self.center = smooth_center
         self.xs, self.outs = [], []
         for i in range(buffers):
             x = torch.randn(m, k, generator=gen) * 2
@@ -185,8 +191,8 @@ class _Case:
     def call(self, variant: "Variant", i: int = 0, out=True):
         from lowbit.kernels.triton_act_quant import act_quant_triton
 
-        return act_quant_triton(self.xs[i], self.out_dtype, self.qmax, self.rotation, self.group, None, False,
-                                out=self.outs[i] if out else None, tile_elements=variant.tile_elements,
+        return act_quant_triton(self.xs[i], self.out_dtype, self.qmax, self.rotation, self.group, self.smooth,
+                                self.center, out=self.outs[i] if out else None, tile_elements=variant.tile_elements,
                                 num_warps=variant.num_warps, rotate_impl=variant.rotate_impl, split=variant.split,
                                 chunk=variant.chunk, num_stages=variant.num_stages, precise_fp8=variant.precise_fp8,
                                 max_registers=variant.max_registers)
@@ -198,7 +204,8 @@ class _Case:
 
     def reference(self):
         if not isinstance(self._reference, tuple):
-            self._reference = self._reference(self.xs[0], self.out_dtype, self.qmax, self.rotation, self.group)
+            self._reference = self._reference(self.xs[0], self.out_dtype, self.qmax, self.rotation, self.group,
+                                              self.smooth, self.center)
         return self._reference
 
     def measure(self, variant: "Variant", iters: int, cpu: bool) -> dict:
@@ -282,7 +289,8 @@ class _Case:
 
 
 def _case_key(row: dict) -> str:
-    return f"m{row['m']} k{row['k']} {row['codes']} {row['rotation']}{row['group'] or ''}"
+    hadanorm = "+hadanorm" if row.get("hadanorm") else ""
+    return f"m{row['m']} k{row['k']} {row['codes']} {row['rotation']}{row['group'] or ''}{hadanorm}"
 
 
 def _best(report: dict) -> None:

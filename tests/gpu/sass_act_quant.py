@@ -1,4 +1,4 @@
-"""The act-quant variants of ``bench_act_quant.py`` compiled for an H100/H200 (sm_90) without a GPU: their cost on paper.
+"""The variants of ``bench_act_quant.py`` compiled for an H100/H200 (sm_90) without a GPU: their cost on paper.
 
 Not a pytest file. Runs on any machine with Triton's NVIDIA backend (no GPU, no CUDA driver)::
 
