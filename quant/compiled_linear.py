@@ -308,6 +308,19 @@ def op_arguments(format_name: str, x: torch.Tensor, weight: QuantizedTensor, bia
             input_scale, linear_spec(format_name, weight), backend)
 
 
+def _no_forced_backend_now() -> bool:
+    return active_backend() is Backend.AUTO
+
+
+#: whether no kernel backend is forced (``kernels.backend.force_backend``), read once while Dynamo
+#: traces and kept as a constant of the graph: the forced backend lives in a ``ContextVar``, which
+#: torch 2.11's Dynamo cannot trace (every quantized layer became a graph break: an H200 Flux step
+#: compiled into 24-42 graphs instead of 2). Forcing a backend is for tests and benchmarks; a graph
+#: traced without one keeps its traced layers.
+_no_forced_backend = (torch.compiler.assume_constant_result(_no_forced_backend_now)
+                      if hasattr(torch.compiler, "assume_constant_result") else _no_forced_backend_now)
+
+
 def _traced_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor,
                    bias: torch.Tensor | None) -> torch.Tensor | None:
     """The codec's :meth:`~quant.layouts.base.FormatCodec.traced_linear` (its activation quantization as
@@ -336,7 +349,7 @@ def quantized_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor,
     kernel that produced ``x``. Rotated, HadaNorm, 4-bit and outlier layers keep the one opaque op.
     """
     if torch.compiler.is_compiling():
-        if backend == "auto" and input_scale is None and active_backend() is Backend.AUTO:
+        if backend == "auto" and input_scale is None and _no_forced_backend():
             out = _traced_linear(format_name, x, weight, bias)
             if out is not None:
                 return out
