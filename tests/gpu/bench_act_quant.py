@@ -14,7 +14,9 @@ fit in L2 together (the first read of ``x`` comes from memory, as in a model). E
 and scales are compared with the original path's (fraction of equal codes, largest code difference,
 largest relative scale difference) and with the fp32 reference (largest code difference).
 
-Variants run in two passes: the first (baselines and the likely winners) for every shape, then the
+First ``--compile-workers`` processes compile every variant at once into Triton's on-disk cache
+(about 130 kernels; the timing process then finds them there). Variants run in two passes: the first
+(baselines and the likely winners) for every shape, then HadaNorm cases (smoothed + centred) and the
 rest while ``--budget-s`` lasts; a variant that fails (compile, resources) is recorded with its error
 and the run goes on. The JSON report is rewritten after every shape, so a run cut short keeps what
 it measured. ``--device cpu`` runs a tiny smoke version in the Triton interpreter (no timing meaning).
@@ -96,9 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, nargs="+", default=None, help="feature counts (default 3072 12288 15360)")
     parser.add_argument("--iters", type=int, default=15, help="timed graph replays per variant (median reported)")
     parser.add_argument("--budget-s", type=float, default=70.0,
-                        help="no new variant starts after this many seconds (pass 1 first, then pass 2); the first "
-                             "run compiles ~55 kernels (about a second each), a rerun finds them in Triton's cache")
+                        help="no new variant starts after this many seconds (imports and compiling included)")
     parser.add_argument("--pass1-only", action="store_true", help="skip the second pass of variants")
+    parser.add_argument("--compile-workers", type=int, default=8,
+                        help="processes that compile every variant first, into Triton's cache (0: compile in turn)")
     return parser.parse_args(argv)
 
 
@@ -138,18 +141,19 @@ def main(argv=None) -> int:
     cases = [(m, k, codes, rotation, group, False) for codes in ("int8", "fp8") for rotation, group in ROTATIONS
              for k in ks for m in ms]
     hadanorm = [(ms[0], k, "int8", "sylvester", 128, True) for k in ks]  # smoothed + centred (pass 2, first)
-    for pass_index, pass_cases in ((0, cases), (1, hadanorm + cases)):
-        if pass_index == 1 and (args.pass1_only or cpu):
-            break
+    passes = [(0, cases)] if args.pass1_only or cpu else [(0, cases), (1, hadanorm + cases)]
+    if not cpu and args.compile_workers > 0:
+        report["compile_s"] = _compile_everything(passes, args.compile_workers, started + args.budget_s * 0.6)
+        log.info("variants compiled into Triton's cache in %.1f s", report["compile_s"])
+    for pass_index, pass_cases in passes:
         for m, k, codes, rotation, group, smooth_center in pass_cases:
-            variants = HADANORM if smooth_center else (PLAIN if rotation == "none" else ROTATED)[pass_index]
+            variants = _variants(pass_index, rotation, smooth_center)
             out_dtype = FP8 if codes == "fp8" else torch.int8
             qmax = 448.0 if codes == "fp8" else 127.0
             bench = _Case(torch, device, m, k, out_dtype, qmax, rotation, group, act_quant_reference, smooth_center)
             for variant in variants:
-                if (pass_index == 1 and variant == BASELINE and not smooth_center) or (
-                        codes == "int8" and not variant.precise_fp8):
-                    continue  # (FP8 precision is an FP8-only knob)
+                if not _runs(variant, pass_index, codes, smooth_center):
+                    continue
                 row = {"m": m, "k": k, "codes": codes, "rotation": rotation, "group": group, "pass": pass_index + 1,
                        "hadanorm": smooth_center, "label": variant.label, "variant": asdict(variant)}
                 if time.perf_counter() - started > args.budget_s:
@@ -167,6 +171,67 @@ def main(argv=None) -> int:
     _print_summary(report)
     print(f"JSON report: {path.resolve()}")
     return 0
+
+
+def _variants(pass_index: int, rotation: str, smooth_center: bool) -> list:
+    return HADANORM if smooth_center else (PLAIN if rotation == "none" else ROTATED)[pass_index]
+
+
+def _runs(variant: "Variant", pass_index: int, codes: str, smooth_center: bool) -> bool:
+    """Whether a case runs this variant: the baseline once, FP8 precision only for FP8 codes."""
+    return not ((pass_index == 1 and variant == BASELINE and not smooth_center)
+                or (codes == "int8" and not variant.precise_fp8))
+
+
+def _compile_everything(passes, workers: int, deadline: float) -> float:
+    """Compile every variant a run will time, in ``workers`` processes at once (Triton keeps them in
+    its on-disk cache, where the timing process then finds them). Fails soft: whatever is not
+    compiled by ``deadline`` is compiled when first timed."""
+    import multiprocessing
+
+    start = time.perf_counter()
+    groups: dict[tuple, list] = {}  # one worker per (variant, codes, rotation): its K share kernels; pass 1 first
+    for pass_index, cases in passes:
+        for _, k, codes, rotation, group, smooth_center in cases:
+            if rotation == "sylvester" and not smooth_center:
+                continue  # the same kernels as regular 256 (both two-stage)
+            for variant in _variants(pass_index, rotation, smooth_center):
+                job = (k, codes, rotation, group, smooth_center, variant)
+                jobs = groups.setdefault((variant, codes, rotation, smooth_center), [])
+                if _runs(variant, pass_index, codes, smooth_center) and job not in jobs:
+                    jobs.append(job)
+    shares = [[] for _ in range(workers)]
+    for i, jobs in enumerate(groups.values()):
+        shares[i % workers].extend(jobs)
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    try:
+        pool.map_async(_compile_share, shares).get(timeout=max(1.0, deadline - time.perf_counter()))
+    except Exception as err:  # a timeout or a worker that died: the timing loop compiles the rest itself
+        log.warning("compiling ahead stopped: %s: %s", type(err).__name__, err)
+    finally:
+        pool.terminate()
+        pool.join()
+    return round(time.perf_counter() - start, 1)
+
+
+def _compile_share(jobs) -> None:
+    """A compile worker: one launch of each variant on a 16-row input (the same kernels as 4096 rows)."""
+    import torch
+
+    from lowbit.kernels.reference import FP8
+    from lowbit.kernels.triton_act_quant import act_quant_triton
+
+    for k, codes, rotation, group, smooth_center, variant in jobs:
+        try:
+            x = torch.zeros(16, k, dtype=torch.bfloat16, device="cuda")
+            smooth = torch.ones(k, device="cuda") if smooth_center else None
+            act_quant_triton(x, FP8 if codes == "fp8" else torch.int8, 448.0 if codes == "fp8" else 127.0, rotation,
+                             group, smooth, smooth_center, tile_elements=variant.tile_elements,
+                             num_warps=variant.num_warps, rotate_impl=variant.rotate_impl, split=variant.split,
+                             chunk=variant.chunk, num_stages=variant.num_stages, precise_fp8=variant.precise_fp8,
+                             max_registers=variant.max_registers)
+        except Exception:  # reported by the timing process, which meets the same error
+            pass
 
 
 class _Case:
