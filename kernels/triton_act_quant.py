@@ -14,16 +14,21 @@ matrices are exact in fp16. Each row is first scaled by a power of two to below 
 comfy-kitchen does. The 1/sqrt(G) normalization and the power of two are one fp32 multiply at the
 end. (fp16, not bf16: the CPU interpreter mis-multiplies bf16 operands.)
 
-Variants of the rotated path (``act_quant_triton(rotate_impl=..., split=...)``, timed by
-``tests/gpu/bench_act_quant.py``; the original stays the default until measured): ``rotate_impl``
-"batched" scales each 256-wide super-block by its own power of two (so accuracy is relative to the
-super-block's maximum, at most the row's) and does the ``P`` stage as a batched ``P^T W`` product
-(``P`` broadcast per super-block: no permutes); "tf32" does the same with tf32 operands (fp32
-range: no scaling; bf16 input is exact in tf32, the ``P`` stage's operand is rounded to tf32's 11
-significant bits, as fp16's); "dense" does one 256×256 product. ``split``
-"pieces" holds whole rows as up to four power-of-two pieces over the real ``K`` (3072 = 2048 +
-1024: no padding); "chunks" loops over ``chunk``-wide pieces in two passes (abs-max, then recompute
-and store: the second read of ``x`` finds it in L2), with few registers.
+Variants of the rotated path (``act_quant_triton(rotate_impl=..., split=...)``; the original is the
+default until ``tests/gpu/bench_act_quant.py`` has timed them on a GPU; ``tests/gpu/sass_act_quant.py``
+shows their sm_90 registers and instructions without one):
+
+* ``rotate_impl`` "batched": each 256-wide super-block scaled by its own power of two (accuracy
+  relative to the super-block's maximum, at most the row's), the ``P`` stage a batched ``P^T W``
+  product with ``P`` broadcast per super-block (no permutes); "tf32": the same with tf32 operands
+  (fp32 range, so no scaling at all; bf16 / fp16 input is exact in tf32, anything else and the ``P``
+  stage's operand are rounded to tf32 – 11 significant bits, as fp16); "dense": one 256×256 product.
+* ``split`` "pieces" (``_act_quant_pieces_kernel``): whole rows as up to four power-of-two pieces over
+  the real ``K`` (3072 = 2048 + 1024: no padding), one read of ``x``; its store has no clamp (every
+  value is at most the abs-max it was scaled by), rounds with the GPU's ``rint`` and, for tf32,
+  folds 1/sqrt(G) into the abs-max and the inverse scale. "chunks" (``_act_quant_chunked_kernel``):
+  ``chunk``-wide pieces in a loop, a pass for the abs-max and one that recomputes and stores (the
+  second read of ``x`` finds it in L2): few registers, twice the rotation work.
 
 ``PERM_BLOCK`` > 0 stores the codes with the columns of every ``PERM_BLOCK``-wide block reordered
 evens first, then odds – the order in which the 4-bit-weight GEMM consumes the two nibble planes
