@@ -104,13 +104,18 @@ _W8A8_SMALL = (
     C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True),
 )
 # The 4-bit GEMM: the packed weight tile is half the bytes, the decode wants more rows per weight tile.
+# H200 sweep (session 5, tests/gpu/sweep_w4_gemm.py, GEMM alone, weights from HBM): signed nibbles are
+# fastest as 128x128x128 swap-AB, 4 warps, 4 stages (1.42x bf16 at M = 4096, 1.14x at M = 1024), with
+# or without TMA in and out; the codebook weights gain 2x from TMA (0.46x against 0.24x with pointers),
+# still behind comfy-kitchen's path. 64x256 tiles, 128x256x64 and 256x128 at 4 stages: 0.2-0.7x, dropped.
 _W4_LARGE = (
-    C(128, 256, 128, 8, 8, 3), C(256, 128, 128, 8, 8, 3), C(256, 128, 128, 8, 8, 4), C(128, 128, 128, 8, 8, 4),
-    C(128, 128, 128, 8, 4, 4, swap_ab=True), C(128, 256, 64, 8, 8, 4),
+    C(128, 128, 128, 8, 4, 4, swap_ab=True), C(128, 128, 128, 8, 4, 4, swap_ab=True, tma=True, tma_store=True),
+    C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True), C(128, 128, 128, 8, 8, 4), C(256, 128, 128, 8, 8, 3),
+    C(128, 256, 128, 8, 8, 3),
 )
 _W4_SMALL = (
-    C(64, 128, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4), C(64, 256, 128, 8, 8, 3),
-    C(64, 128, 128, 8, 4, 4, swap_ab=True), C(128, 64, 128, 8, 4, 4),
+    C(64, 128, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4), C(64, 128, 128, 8, 4, 4, swap_ab=True),
+    C(128, 64, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4, swap_ab=True), C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True),
 )
 
 
@@ -123,7 +128,8 @@ def w8a8_candidates(cap: tuple[int, int], m: int) -> list[GemmConfig]:
 def w4_candidates(cap: tuple[int, int], m: int) -> list[GemmConfig]:
     """Configs worth measuring for the 4-bit-weight GEMM (weight tiles are half the bytes)."""
     pool = _W4_SMALL if m <= 1024 else _W4_LARGE
-    return [c for c in pool if c.fits(cap, 1.0, 0.5)] or [C(64, 64, 64, 8, 4, 2)]
+    return ([c for c in pool if c.fits(cap, 1.0, 0.5) and (not (c.tma or c.tma_store) or cap >= (9, 0))]
+            or [C(64, 64, 64, 8, 4, 2)])
 
 
 def default_config(m: int, kind: str = "w8a8") -> GemmConfig:
