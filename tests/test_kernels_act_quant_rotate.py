@@ -117,6 +117,20 @@ def test_hadanorm_smoothing_centring_and_rotation(variant):
     torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["tf32", "batched"])
+def test_pieces_with_a_rounded_up_last_piece(impl):
+    # 31 super-blocks have five set bits: 16 + 8 + 4 and the last 3 rounded up to 4 (one masked super-block)
+    from lowbit.kernels.triton_act_quant import _pieces_launch_shape
+
+    m, k = 3, 31 * 256 - 64  # and the last group of 64 is beyond K too
+    assert _pieces_launch_shape(m, k, 256, 4096, None)[1] == (4096, 2048, 1024, 1024)
+    x = randn(m, k, seed=29, scale=2, dtype=torch.bfloat16)
+    q, scale, _ = _triton(x, torch.int8, "regular", 64, out=_poison(m, k, torch.int8), variant=(impl, "pieces", 0, None))
+    q_ref, scale_ref, _ = act_quant_reference(x, torch.int8, None, "regular", 64)
+    _assert_int8_near(q, q_ref)
+    torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
+
+
 def test_dense_pieces():
     m, k = 19, 768
     x = randn(m, k, seed=4, scale=2, dtype=torch.bfloat16)
