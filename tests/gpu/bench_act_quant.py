@@ -84,7 +84,10 @@ PLAIN = (
     [V("permute", "pow2", 8192, 8), V("permute", "pieces", 8192, 8), V("permute", "pieces", None, 16),
      V("permute", "chunks", 2048, 4, 2048)],
 )
-HADANORM = [BASELINE, V("tf32", "pieces"), V("batched", "pieces"), V("tf32", "pieces", None, 4)]
+# pass 2 extras: HadaNorm (smoothed + centred, sylvester 128) and W4A4 activations (INT4 range, regular 256, codes
+# in the 4-bit GEMM's nibble-plane order: perm_block 128)
+EXTRA = [BASELINE, V("tf32", "pieces"), V("batched", "pieces"), V("tf32", "pieces", None, 4)]
+W4A4_PERM_BLOCK = 128
 ROTATIONS = (("regular", 256), ("sylvester", 128), ("none", 0))  # ConvRot first: the W8A8 target
 
 
@@ -138,24 +141,24 @@ def main(argv=None) -> int:
         tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, path)
 
-    cases = [(m, k, codes, rotation, group, False) for codes in ("int8", "fp8") for rotation, group in ROTATIONS
+    cases = [(m, k, codes, rotation, group, "") for codes in ("int8", "fp8") for rotation, group in ROTATIONS
              for k in ks for m in ms]
-    hadanorm = [(ms[0], k, "int8", "sylvester", 128, True) for k in ks]  # smoothed + centred (pass 2, first)
-    passes = [(0, cases)] if args.pass1_only or cpu else [(0, cases), (1, hadanorm + cases)]
+    extras = [(ms[0], k, "int8", rotation, group, extra) for extra, rotation, group in
+              (("hadanorm", "sylvester", 128), ("w4a4", "regular", 256)) for k in ks]
+    passes = [(0, cases)] if args.pass1_only or cpu else [(0, cases), (1, extras + cases)]
     if not cpu and args.compile_workers > 0:
         report["compile_s"] = _compile_everything(passes, args.compile_workers, started + args.budget_s * 0.6)
         log.info("variants compiled into Triton's cache in %.1f s", report["compile_s"])
     for pass_index, pass_cases in passes:
-        for m, k, codes, rotation, group, smooth_center in pass_cases:
-            variants = _variants(pass_index, rotation, smooth_center)
+        for m, k, codes, rotation, group, extra in pass_cases:
+            variants = _variants(pass_index, rotation, extra)
             out_dtype = FP8 if codes == "fp8" else torch.int8
-            qmax = 448.0 if codes == "fp8" else 127.0
-            bench = _Case(torch, device, m, k, out_dtype, qmax, rotation, group, act_quant_reference, smooth_center)
+            bench = _Case(torch, device, m, k, out_dtype, rotation, group, act_quant_reference, extra)
             for variant in variants:
-                if not _runs(variant, pass_index, codes, smooth_center):
+                if not _runs(variant, pass_index, codes, extra):
                     continue
                 row = {"m": m, "k": k, "codes": codes, "rotation": rotation, "group": group, "pass": pass_index + 1,
-                       "hadanorm": smooth_center, "label": variant.label, "variant": asdict(variant)}
+                       "extra": extra, "label": variant.label, "variant": asdict(variant)}
                 if time.perf_counter() - started > args.budget_s:
                     report["skipped"].append(row)
                     continue
@@ -173,13 +176,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _variants(pass_index: int, rotation: str, smooth_center: bool) -> list:
-    return HADANORM if smooth_center else (PLAIN if rotation == "none" else ROTATED)[pass_index]
+def _variants(pass_index: int, rotation: str, extra: str) -> list:
+    return EXTRA if extra else (PLAIN if rotation == "none" else ROTATED)[pass_index]
 
 
-def _runs(variant: "Variant", pass_index: int, codes: str, smooth_center: bool) -> bool:
+def _runs(variant: "Variant", pass_index: int, codes: str, extra: str) -> bool:
     """Whether a case runs this variant: the baseline once, FP8 precision only for FP8 codes."""
-    return not ((pass_index == 1 and variant == BASELINE and not smooth_center)
+    return not ((pass_index == 1 and variant == BASELINE and not extra)
                 or (codes == "int8" and not variant.precise_fp8))
 
 
@@ -192,13 +195,13 @@ def _compile_everything(passes, workers: int, deadline: float) -> float:
     start = time.perf_counter()
     groups: dict[tuple, list] = {}  # one worker per (variant, codes, rotation): its K share kernels; pass 1 first
     for pass_index, cases in passes:
-        for _, k, codes, rotation, group, smooth_center in cases:
-            if rotation == "sylvester" and not smooth_center:
+        for _, k, codes, rotation, group, extra in cases:
+            if rotation == "sylvester" and not extra:
                 continue  # the same kernels as regular 256 (both two-stage)
-            for variant in _variants(pass_index, rotation, smooth_center):
-                job = (k, codes, rotation, group, smooth_center, variant)
-                jobs = groups.setdefault((variant, codes, rotation, smooth_center), [])
-                if _runs(variant, pass_index, codes, smooth_center) and job not in jobs:
+            for variant in _variants(pass_index, rotation, extra):
+                job = (k, codes, rotation, group, extra, variant)
+                jobs = groups.setdefault((variant, codes, rotation, extra), [])
+                if _runs(variant, pass_index, codes, extra) and job not in jobs:
                     jobs.append(job)
     shares = [[] for _ in range(workers)]
     for i, jobs in enumerate(groups.values()):
@@ -221,12 +224,13 @@ def _compile_share(jobs) -> None:
     from lowbit.kernels.reference import FP8
     from lowbit.kernels.triton_act_quant import act_quant_triton
 
-    for k, codes, rotation, group, smooth_center, variant in jobs:
+    for k, codes, rotation, group, extra, variant in jobs:
         try:
             x = torch.zeros(16, k, dtype=torch.bfloat16, device="cuda")
-            smooth = torch.ones(k, device="cuda") if smooth_center else None
-            act_quant_triton(x, FP8 if codes == "fp8" else torch.int8, 448.0 if codes == "fp8" else 127.0, rotation,
-                             group, smooth, smooth_center, tile_elements=variant.tile_elements,
+            smooth = torch.ones(k, device="cuda") if extra == "hadanorm" else None
+            act_quant_triton(x, FP8 if codes == "fp8" else torch.int8, _qmax(codes, extra), rotation, group, smooth,
+                             extra == "hadanorm", W4A4_PERM_BLOCK if extra == "w4a4" else 0,
+                             tile_elements=variant.tile_elements,
                              num_warps=variant.num_warps, rotate_impl=variant.rotate_impl, split=variant.split,
                              chunk=variant.chunk, num_stages=variant.num_stages, precise_fp8=variant.precise_fp8,
                              max_registers=variant.max_registers)
@@ -234,16 +238,22 @@ def _compile_share(jobs) -> None:
             pass
 
 
+def _qmax(codes: str, extra: str) -> float:
+    return 448.0 if codes == "fp8" else 7.0 if extra == "w4a4" else 127.0
+
+
 class _Case:
     """One shape and code format: its inputs (several buffers), the original path's codes, the reference's."""
 
-    def __init__(self, torch, device, m, k, out_dtype, qmax, rotation, group, reference, smooth_center=False):
+    def __init__(self, torch, device, m, k, out_dtype, rotation, group, reference, extra=""):
         self.torch, self.device = torch, device
-        self.m, self.k, self.out_dtype, self.qmax, self.rotation, self.group = m, k, out_dtype, qmax, rotation, group
+        self.m, self.k, self.out_dtype, self.rotation, self.group = m, k, out_dtype, rotation, group
+        self.qmax = _qmax("fp8" if out_dtype != torch.int8 else "int8", extra)
+        self.perm_block = W4A4_PERM_BLOCK if extra == "w4a4" else 0
         buffers = 1 if device.type == "cpu" else max(1, min(8, math.ceil(L2_FLUSH_BYTES / (m * k * 3))))
         gen = torch.Generator(device="cpu").manual_seed(m + k)
-        self.smooth = (torch.rand(k, generator=gen) + 0.5).to(device) if smooth_center else None
-        self.center = smooth_center
+        self.smooth = (torch.rand(k, generator=gen) + 0.5).to(device) if extra == "hadanorm" else None
+        self.center = extra == "hadanorm"
         self.xs, self.outs = [], []
         for i in range(buffers):
             x = torch.randn(m, k, generator=gen) * 2
@@ -257,7 +267,7 @@ class _Case:
         from lowbit.kernels.triton_act_quant import act_quant_triton
 
         return act_quant_triton(self.xs[i], self.out_dtype, self.qmax, self.rotation, self.group, self.smooth,
-                                self.center, out=self.outs[i] if out else None, tile_elements=variant.tile_elements,
+                                self.center, self.perm_block, out=self.outs[i] if out else None, tile_elements=variant.tile_elements,
                                 num_warps=variant.num_warps, rotate_impl=variant.rotate_impl, split=variant.split,
                                 chunk=variant.chunk, num_stages=variant.num_stages, precise_fp8=variant.precise_fp8,
                                 max_registers=variant.max_registers)
@@ -269,8 +279,11 @@ class _Case:
 
     def reference(self):
         if not isinstance(self._reference, tuple):
-            self._reference = self._reference(self.xs[0], self.out_dtype, self.qmax, self.rotation, self.group,
-                                              self.smooth, self.center)
+            from lowbit.kernels.ops import permute_columns
+
+            q, scale, mean = self._reference(self.xs[0], self.out_dtype, self.qmax, self.rotation, self.group,
+                                             self.smooth, self.center)
+            self._reference = (permute_columns(q, self.perm_block), scale, mean)
         return self._reference
 
     def measure(self, variant: "Variant", iters: int, cpu: bool) -> dict:
@@ -354,8 +367,8 @@ class _Case:
 
 
 def _case_key(row: dict) -> str:
-    hadanorm = "+hadanorm" if row.get("hadanorm") else ""
-    return f"m{row['m']} k{row['k']} {row['codes']} {row['rotation']}{row['group'] or ''}{hadanorm}"
+    extra = f"+{row['extra']}" if row.get("extra") else ""
+    return f"m{row['m']} k{row['k']} {row['codes']} {row['rotation']}{row['group'] or ''}{extra}"
 
 
 def _best(report: dict) -> None:
