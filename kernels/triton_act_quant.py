@@ -384,7 +384,7 @@ def _finish_piece(x, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, OF
 
 
 @triton.jit
-def _store_piece(q_rows, y, inv, qmax, row_ok, K, OFF: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
+def _store_piece(q_rows, y, inv, row_ok, K, OFF: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
                  OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr):
     # no clamp: |y| <= amax of these very values, so |y * inv| <= qmax (1 + 2^-23), which rounds to qmax
     cols = OFF + tl.arange(0, W)
@@ -451,13 +451,13 @@ def _act_quant_pieces_kernel(
     if ROTATE:
         if ROT_IMPL == 3:
             inv = inv * rot_norm  # one multiply per element: unnormalized value times 1/sqrt(G) / scale
-    _store_piece(q_rows, x0, inv, qmax, row_ok, K, 0, W0, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+    _store_piece(q_rows, x0, inv, row_ok, K, 0, W0, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
     if W1 > 0:
-        _store_piece(q_rows, x1, inv, qmax, row_ok, K, O1, W1, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+        _store_piece(q_rows, x1, inv, row_ok, K, O1, W1, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
     if W2 > 0:
-        _store_piece(q_rows, x2, inv, qmax, row_ok, K, O2, W2, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+        _store_piece(q_rows, x2, inv, row_ok, K, O2, W2, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
     if W3 > 0:
-        _store_piece(q_rows, x3, inv, qmax, row_ok, K, O3, W3, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+        _store_piece(q_rows, x3, inv, row_ok, K, O3, W3, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
 
 
 @functools.lru_cache(maxsize=16)
