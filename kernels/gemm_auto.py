@@ -19,10 +19,12 @@ dictionary lookup before the GEMM launch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import dispatch
-from .backend import Backend, active_backend, interpreting, triton_problem
+from .backend import Backend, active_backend, force_backend, interpreting, triton_problem
 from .gemm_config import config_named
 from .reference import FP8, scaled_mm_reference
 from .w8a8_linear import torch_mm_ok, torch_scaled_mm, triton_gemm_names
@@ -56,8 +58,18 @@ def w8a8_mm_auto(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scal
     if out is not None:
         return out
     plan = _GemmPlan(a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype)
-    return dispatch.run(mm_key_format(a.dtype), a, b.shape[0], plan.names, plan.make, plan.reasons, key,
-                        lambda name: _fast_plan(name, b_scale, out_dtype))
+    run = functools.partial(dispatch.run, mm_key_format(a.dtype), a, b.shape[0], plan.names, plan.make, plan.reasons,
+                            key, lambda name: _fast_plan(name, b_scale, out_dtype))
+    if active_backend() in _NO_GEMM_FORM:
+        # kitchen's linear and dequantize + matmul need the float activation, which a GEMM on codes no
+        # longer has: a compiled graph traced without a forced backend keeps its fused layers (see
+        # quant/compiled_linear.py), so their GEMMs run as chosen rather than fail
+        with force_backend(Backend.AUTO):
+            return run()
+    return run()
+
+
+_NO_GEMM_FORM = (Backend.KITCHEN, Backend.DEQUANT)
 
 
 def _fast_key(a, b, b_scale, bias, row_shift, out_dtype) -> tuple:

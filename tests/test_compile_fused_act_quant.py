@@ -276,13 +276,20 @@ def test_auto_gemm_takes_shifts_like_the_reference():
 
 
 def test_auto_gemm_honours_forced_backends_and_says_which_it_cannot_run():
+    """Forced eager / torch are honoured (torch needs CUDA: a clear error on the CPU). Forced kitchen or
+    dequant have no form for a GEMM on codes (they need the float activation): a fused layer of a graph
+    traced without a forced backend runs its GEMM as chosen instead of failing."""
     q, weight, scale, w_scale, bias = _codes(FP8, 5, 32, 64)
+    reference = scaled_mm_reference(q, weight, scale, w_scale, bias, None, None, torch.bfloat16)
     with use_dispatcher(Dispatcher()), force_backend("eager"):
         out = ops.w8a8_mm(q, weight, scale, w_scale, bias, None, None, torch.bfloat16, "auto")
-    assert torch.equal(out, scaled_mm_reference(q, weight, scale, w_scale, bias, None, None, torch.bfloat16))
-    for backend, why in (("kitchen", "takes activation codes"), ("torch", "need CUDA")):
-        with use_dispatcher(Dispatcher()), force_backend(backend), pytest.raises(BackendUnavailableError, match=why):
-            ops.w8a8_mm(q, weight, scale, w_scale, bias, None, None, torch.bfloat16, "auto")
+    assert torch.equal(out, reference)
+    with use_dispatcher(Dispatcher()), force_backend("torch"), pytest.raises(BackendUnavailableError, match="need CUDA"):
+        ops.w8a8_mm(q, weight, scale, w_scale, bias, None, None, torch.bfloat16, "auto")
+    for backend in ("kitchen", "dequant"):
+        with use_dispatcher(Dispatcher()), force_backend(backend):
+            out = ops.w8a8_mm(q, weight, scale, w_scale, bias, None, None, torch.bfloat16, "auto")
+        assert torch.equal(out, reference)
     with pytest.raises(ValueError, match="int8 or both float8_e4m3fn"):
         ops.w8a8_mm(q, randint8(32, 64, seed=1), scale, w_scale, bias, None, None, torch.bfloat16, "auto")
 
