@@ -261,16 +261,19 @@ def test_defaults_pick_the_kernel_and_keep_outlier_columns_on_theirs(monkeypatch
     assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8)) and torch.equal(scale, scale_ref)
 
 
-def test_original_path_is_the_default():
-    # the default stays the original kernel until GPU measurements pick another (tests/gpu/bench_act_quant.py)
+@pytest.mark.parametrize("k,split", [(768, "pieces"), (1792, "pow2"), (3072, "pieces")])
+def test_default_path_is_the_measured_one(k, split):
+    # chosen from tests/gpu/bench_act_quant.py on an H200: batched rotation; rows of at most two
+    # power-of-two pieces unpadded ("pieces"), wider ones (3+ pieces: slower there) padded ("pow2")
     from lowbit.kernels import triton_act_quant
 
-    x = randn(9, 768, seed=3, scale=2, dtype=torch.bfloat16)
-    assert triton_act_quant.DEFAULT_ROTATE_IMPL in triton_act_quant.ROTATE_IMPLS
+    assert triton_act_quant.default_split(k, rotate=True) == split
+    assert triton_act_quant.default_split(k, rotate=False) == triton_act_quant.DEFAULT_PLAIN_SPLIT
+    x = randn(9, k, seed=3, scale=2, dtype=torch.bfloat16)
     default = _triton(x, torch.int8, "regular", 256, variant=(None, None, 0, None))
-    explicit = _triton(x, torch.int8, "regular", 256, variant=(triton_act_quant.DEFAULT_ROTATE_IMPL,
-                                                                triton_act_quant.DEFAULT_SPLIT, 0, None))
+    explicit = _triton(x, torch.int8, "regular", 256, variant=(triton_act_quant.DEFAULT_ROTATE_IMPL, split, 0, None))
     assert all(torch.equal(a, b) for a, b in zip(default, explicit))
+    _assert_int8_near(default[0], act_quant_reference(x, torch.int8, None, "regular", 256)[0])
 
 
 def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
