@@ -48,6 +48,38 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def host_profile(call, device, calls: int) -> dict:
+    """Where the host's time goes in ``calls`` compiled steps: the CPU time to enqueue them against the time
+    until the GPU is done (equal when the step is bound by the CPU), and a cProfile of the calls (top
+    functions by own time and by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    from gpu_bench_common import sync
+
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    enqueued = time.perf_counter() - start
+    sync(device)
+    done = time.perf_counter() - start
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    sync(device)
+    out = {"enqueue_ms_per_step": enqueued / calls * 1e3, "done_ms_per_step": done / calls * 1e3}
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).strip_dirs().sort_stats(order).print_stats(30)
+        out[f"cprofile_{order}"] = [line for line in text.getvalue().splitlines() if line.strip()][-32:]
+    return out
+
+
 def measure_mode(mode: str, base, inputs, settings, device, a, report, refs: dict) -> None:
     from lowbit.nodes.compile import compile_model, compile_wrapper
     from lowbit.nodes.model_quant import quantize_model, quantized_layers
@@ -91,6 +123,8 @@ def measure_mode(mode: str, base, inputs, settings, device, a, report, refs: dic
                compiled_rel_err_vs_bf16=rel_err(out.float(), reference),
                compiled_vs_eager_rel=rel_err(out.float(), eager_out.float()),
                compiled_speedup_vs_eager=eager_s / step_s, peak_vram_gb=peak_gb(device))
+    if a.cprofile:
+        row["host"] = host_profile(call, device, a.cprofile)
     bf16 = report["modes"].get("bf16", {})
     if "compiled_step_ms" in bf16 and not bf16.get("failure"):
         row["speedup_vs_compiled_bf16"] = bf16["compiled_step_ms"] / row["compiled_step_ms"]
@@ -131,6 +165,8 @@ def main(argv=None) -> dict:
     p.add_argument("--dynamic", default="tokens", help="the node's dynamic input (tokens or static)")
     p.add_argument("--fullgraph", action="store_true", help="the node's fullgraph input")
     p.add_argument("--keep-dynamo", action="store_true", help="do not reset Dynamo between modes")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also profile the host side of N compiled steps per mode (enqueue vs done time, cProfile)")
     p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
     a = p.parse_args(argv)
     device, report = setup(a, "bench_compile_step")
