@@ -147,7 +147,7 @@ def step_factory(a, device):
             from lowbit.nodes.compile import CompileSettings, compile_model
 
             torch._dynamo.reset()
-            return common.denoiser_call(compile_model(patcher, CompileSettings()), inputs)
+            return common.denoiser_call(compile_model(patcher, CompileSettings(mode=a.compile_mode)), inputs)
         x, t, ctx, y, g = args
         options = dict(patcher.model_options.get("transformer_options", {}))
         return lambda: patcher.model.diffusion_model(x, t, ctx, y=y, guidance=g, transformer_options=options)
@@ -162,6 +162,7 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", nargs="+", default=["int8_convrot", "fp8", "fp8_rowwise", "w4a8"])
     p.add_argument("--compile", action="store_true",
                    help="profile the step compiled as the Compile Quantized Model node compiles it (inductor)")
+    p.add_argument("--compile-mode", default="default", help="the node's mode input with --compile (e.g. reduce-overhead)")
     p.add_argument("--attention-backend", default="",
                    help="run through the Attention Backend node with this backend (e.g. auto); default: off")
     p.add_argument("--out", default="profile_flux_step.json")
