@@ -11,9 +11,7 @@ Every op takes an explicit ``impl`` string: ``"eager"`` runs the pure-torch refe
 else names a Triton variant (``"triton"`` for the act-quant kernel, a :class:`GemmConfig` name for
 the GEMMs). Which ``impl`` to use is decided outside the op (``kernels/dispatch.py``), so the ops
 are pure functions of their arguments – what ``torch.compile`` needs. Triton is imported only when
-a Triton ``impl`` runs. One exception: ``w8a8_mm`` with ``impl="auto"`` asks the measured dispatcher
-at run time (``kernels/gemm_auto.py``), for graphs traced before any shape is known; every
-implementation it chooses among computes the same product.
+a Triton ``impl`` runs.
 """
 
 from __future__ import annotations
@@ -82,23 +80,12 @@ def _act_quant_outliers_fake(x, outlier_index, impl):
 def _w8a8_mm_impl(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                   bias: torch.Tensor | None, row_shift: torch.Tensor | None, col_shift: torch.Tensor | None,
                   out_dtype: torch.dtype, impl: str) -> torch.Tensor:
-    """``a`` / ``b``: int8 or float8_e4m3fn codes; ``uint8`` stands for the bytes of e4m3 codes (torch's CPU
-    kernels cannot compare or copy float8 tensors, which custom-op checks and some compiler paths do)."""
-    a, b = _e4m3_bytes_as_codes(a), _e4m3_bytes_as_codes(b)
     if impl == "eager":
         return scaled_mm_reference(a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype)
-    if impl == "auto":
-        from .gemm_auto import w8a8_mm_auto
-
-        return w8a8_mm_auto(a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype)
     from .gemm_config import config_named
     from .triton_w8a8_gemm import w8a8_mm_triton
 
     return w8a8_mm_triton(a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype, config_named(impl))
-
-
-def _e4m3_bytes_as_codes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(FP8) if t.dtype == torch.uint8 else t
 
 
 def _w8a8_mm_fake(a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype, impl):

@@ -13,12 +13,6 @@ through comfy-kitchen's ``__torch_dispatch__`` and its backend registry. That gi
 * guards see only plain tensors and a few constants (format, shapes, group sizes), so blocks of
   equal shapes share one compiled graph and nothing about LoRA strengths is ever guarded.
 
-Plain per-token W8A8 layers (``int8``, ``fp8_rowwise`` without outlier channels, per-token ``fp8``)
-are the exception when no backend is forced: :func:`quantized_linear` traces their activation
-quantization as torch ops (``FormatCodec.traced_linear``) and only the GEMM stays opaque
-(``lowbit::w8a8_mm`` choosing its kernel at run time), so inductor fuses the quantization into the
-kernel that produced the activation instead of a separate kernel re-reading it.
-
 ``spec`` is a string built by :func:`linear_spec` from the weight's non-tensor layout parameters,
 with Python operations Dynamo can trace (no ``json``); the op parses it (cached) back into the
 layout's ``Params``. :func:`quantized_linear` is what callers use: the op while compiling, the
@@ -308,32 +302,6 @@ def op_arguments(format_name: str, x: torch.Tensor, weight: QuantizedTensor, bia
             input_scale, linear_spec(format_name, weight), backend)
 
 
-def _no_forced_backend_now() -> bool:
-    return active_backend() is Backend.AUTO
-
-
-#: whether no kernel backend is forced (``kernels.backend.force_backend``), read once while Dynamo
-#: traces and kept as a constant of the graph: the forced backend lives in a ``ContextVar``, which
-#: torch 2.11's Dynamo cannot trace (every quantized layer became a graph break: an H200 Flux step
-#: compiled into 24-42 graphs instead of 2). Forcing a backend is for tests and benchmarks; a graph
-#: traced without one keeps its traced layers.
-_no_forced_backend = (torch.compiler.assume_constant_result(_no_forced_backend_now)
-                      if hasattr(torch.compiler, "assume_constant_result") else _no_forced_backend_now)
-
-
-def _traced_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor,
-                   bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The codec's :meth:`~quant.layouts.base.FormatCodec.traced_linear` (its activation quantization as
-    torch ops that inductor fuses into the op before it, the GEMM as ``lowbit::w8a8_mm``), or ``None``
-    where the format has none; the bias in ``x``'s dtype and on its device, the output in ``x``'s dtype."""
-    from .formats import get_format
-
-    if bias is not None:
-        bias = bias.to(device=x.device, dtype=x.dtype)
-    out = get_format(format_name).traced_linear(x, weight, bias, None)
-    return out if out is None or out.dtype == x.dtype else out.to(x.dtype)
-
-
 def quantized_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None,
                      input_scale: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """``codec.linear(x, weight, bias, input_scale)`` on kernel ``backend``, compile-safe.
@@ -341,18 +309,8 @@ def quantized_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor,
     While ``torch.compile`` traces, this is the ``lowbit::quantized_linear`` op (weight tensors moved
     to ``x``'s device, bias cast to ``x``'s dtype, as ComfyUI's cast would); otherwise the codec runs
     directly. The output has ``x``'s dtype.
-
-    Exception, while tracing with the ``auto`` backend (none forced) and no ``input_scale``: a plain
-    per-token W8A8 format (``int8``, ``fp8_rowwise`` without outlier channels, ``fp8`` where it runs
-    the per-token kernel) is traced as its activation quantization in torch ops and the GEMM op
-    ``lowbit::w8a8_mm`` (the codec's ``traced_linear``), so inductor fuses the quantization into the
-    kernel that produced ``x``. Rotated, HadaNorm, 4-bit and outlier layers keep the one opaque op.
     """
     if torch.compiler.is_compiling():
-        if backend == "auto" and input_scale is None and _no_forced_backend():
-            out = _traced_linear(format_name, x, weight, bias)
-            if out is not None:
-                return out
         return quantized_linear_op(*op_arguments(format_name, x, weight, bias, input_scale, backend))
     if bias is not None and (bias.dtype != x.dtype or bias.device != x.device):
         bias = bias.to(device=x.device, dtype=x.dtype)  # as the op path does (and ComfyUI's cast)

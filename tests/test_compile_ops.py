@@ -2,8 +2,7 @@
 
 For every format: ``lowbit::quantized_linear`` passes ``torch.library.opcheck``; a two-layer module
 compiles with ``fullgraph=True`` on inductor into one graph and matches eager exactly (the op's body
-is the eager linear; the plain per-token formats whose activation quantization is traced instead
-match it to 40 dB); token counts of any size reuse that graph. With a Dynamic LoRA hooked on a
+is the eager linear); token counts of any size reuse that graph. With a Dynamic LoRA hooked on a
 layer, strength changes and a swap to another LoRA of the same rank compile nothing new (counted with
 Dynamo's ``CompileCounter``). The kernel ops (``lowbit::act_quant``/``w8a8_mm``/``w4a8_mm``) pass
 ``opcheck`` with every optional argument in use.
@@ -122,14 +121,6 @@ def test_bad_spec_is_a_clear_error():
         parse_spec("int8|TensorWiseINT8Layout")
 
 
-#: formats whose compiled layers trace their per-token activation quantization on the CPU
-#: (``FormatCodec.traced_linear``; tests/test_compile_fused_act_quant.py): inductor fuses it into the
-#: GELU before ``fc2``, and quantizes the fp32 GELU where eager quantizes its bf16 rounding (and eager
-#: ``int8`` on the CPU is kitchen's linear, which divides by the scale in bf16), so those are compared
-#: by SQNR; every other format runs the opaque op, whose body is the eager linear: the same bits
-FUSED_ON_CPU = ("int8", "fp8_rowwise")
-
-
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_fullgraph_inductor_matches_eager_without_recompiles(fmt):
     model = Mlp(fmt)
@@ -141,10 +132,7 @@ def test_fullgraph_inductor_matches_eager_without_recompiles(fmt):
             out = compiled(x)
             expected = model(x)
             assert out.dtype == expected.dtype == torch.bfloat16
-            if fmt in FUSED_ON_CPU:
-                assert sqnr_db(out.float(), expected.float()) >= 40, f"{fmt}: compiled output far from eager"
-            else:
-                assert torch.equal(out, expected), f"{fmt}: compiled output differs from eager at {n} tokens"
+            assert torch.equal(out, expected), f"{fmt}: compiled output differs from eager at {n} tokens"
     assert counter.frame_count == 1
     assert counter.op_count > 0
 

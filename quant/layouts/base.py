@@ -20,7 +20,6 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, dequantize_args, register_layout_op
 
 from ...kernels.backend import Backend, BackendUnavailableError, active_backend
-from ...kernels.w8a8_traced import w8a8_linear_traced
 from ..errors import CheckpointFormatError
 
 log = logging.getLogger(__name__)
@@ -97,20 +96,6 @@ class FormatCodec:
         if fn is None or getattr(weight._params, "transposed", False) or weight._qdata.device != x.device:
             return None
         return fn
-
-    def traced_linear(self, x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None = None,
-                      input_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-        """:meth:`linear` as torch ops around one opaque GEMM, for ``torch.compile`` to trace (or ``None``).
-
-        ``quant/compiled_linear.py`` asks this while Dynamo traces a layer (no forced backend, ``bias``
-        already in ``x``'s dtype and on its device; the weight's tensors may be elsewhere). A format
-        whose activation quantization is plain per-token abs-max (no rotation, smoothing, centring or
-        outlier columns) returns the output, the quantization written as ordinary ops
-        (:func:`w8a8_traced_linear`) that inductor fuses into the kernel which produced ``x``; only the
-        GEMM stays a custom op (``lowbit::w8a8_mm``). ``None`` (the default): the layer stays one opaque
-        ``lowbit::quantized_linear`` op.
-        """
-        return None
 
     # ---- checkpoint form ----------------------------------------------------------------
     def comfy_quant(self, qt: QuantizedTensor) -> dict:
@@ -246,11 +231,13 @@ _KERNEL_REFUSALS = (ValueError, BackendUnavailableError, NotImplementedError)
 _warned_failures: set[tuple[str, str]] = set()
 
 
-def weight_layout_problem(x: torch.Tensor, weight, layouts: tuple[str, ...]) -> str | None:
-    """Why ``weight`` is not a plain stored matrix of one of ``layouts`` (registry names) for input ``x``.
+def kitchen_weight_problem(x: torch.Tensor, weight, layouts: tuple[str, ...]) -> str | None:
+    """Why the linear of ``x`` and a kitchen-layout ``weight`` cannot go to LowBit's kernels as is.
 
-    ``None`` when it is: a plain input, a ``QuantizedTensor`` of one of ``layouts`` stored untransposed
-    as a contiguous matrix (on any device).
+    ``None`` when it can: a plain input, a ``QuantizedTensor`` of one of ``layouts`` (kitchen registry
+    names) stored untransposed and contiguous on ``x``'s device, and no forced ``kitchen`` backend
+    (which means kitchen's own linear).
+    The format's codec adds its own checks (dtypes, scale shapes, layout options).
     """
     if isinstance(x, QuantizedTensor):
         return "the input is itself quantized"
@@ -261,32 +248,6 @@ def weight_layout_problem(x: torch.Tensor, weight, layouts: tuple[str, ...]) -> 
     qdata = weight._qdata
     if not qdata.is_contiguous() or qdata.dim() != 2:
         return f"the weight's storage is not a contiguous matrix (shape {tuple(qdata.shape)})"
-    return None
-
-
-def w8a8_traced_linear(x: torch.Tensor, codes: torch.Tensor, weight_scale: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``[..., K]`` @ the W8A8 weight (int8 or e4m3 ``codes`` ``[N, K]``, fp32 ``weight_scale`` with 1
-    or N values) + ``bias``, in ``x``'s dtype: per-token activation quantization as traceable torch ops
-    and the GEMM as ``lowbit::w8a8_mm(impl="auto")`` (``kernels/w8a8_traced.py``); for
-    :meth:`FormatCodec.traced_linear`. The weight's tensors are moved to ``x``'s device."""
-    codes, weight_scale = codes.to(x.device), weight_scale.to(x.device)
-    out = w8a8_linear_traced(x.reshape(-1, x.shape[-1]), codes, weight_scale, bias, x.dtype)
-    return out.reshape(*x.shape[:-1], codes.shape[0])
-
-
-def kitchen_weight_problem(x: torch.Tensor, weight, layouts: tuple[str, ...]) -> str | None:
-    """Why the linear of ``x`` and a kitchen-layout ``weight`` cannot go to LowBit's kernels as is.
-
-    ``None`` when it can: a plain input, a ``QuantizedTensor`` of one of ``layouts`` (kitchen registry
-    names) stored untransposed and contiguous on ``x``'s device, and no forced ``kitchen`` backend
-    (which means kitchen's own linear).
-    The format's codec adds its own checks (dtypes, scale shapes, layout options).
-    """
-    problem = weight_layout_problem(x, weight, layouts)
-    if problem is not None:
-        return problem
-    qdata = weight._qdata
     if qdata.device != x.device:
         return f"the weight is on {qdata.device}, the input on {x.device}"
     if active_backend() is Backend.KITCHEN:

@@ -12,9 +12,6 @@ layer then stores ``weight`` as ``[N, K + 2r]`` (``[w | w[:, O] | w_lo[:, O]]``)
 ``weight_outlier_index`` (int32 ``[r]``, distinct channels in ``[0, K)``); its logical shape stays
 ``[N, K]`` and :meth:`FP8RowwiseLayout.dequantize` returns the exact ``hi + lo`` weight. Files
 without ``weight_outlier_index`` load as plain ``fp8_rowwise`` layers.
-
-Under ``torch.compile`` a layer without outlier channels traces its activation quantization as torch
-ops (:meth:`FP8RowwiseCodec.traced_linear`), fused by inductor into the op before the layer.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from comfy_kitchen.tensor import BaseLayoutParams, QuantizedLayout, QuantizedTen
 from ...kernels.fp8_gemm import (FP8, dequantize_fp8_rowwise, fp8_rowwise_linear, quantize_fp8_rowwise,
                                  quantize_fp8_rowwise_outliers)
 from ..errors import CheckpointFormatError
-from .base import (FormatCodec, FormatSpec, check_matrix, check_numel, register_linear_family, require,
-                   w8a8_traced_linear, weight_layout_problem)
+from .base import FormatCodec, FormatSpec, check_matrix, check_numel, register_linear_family, require
 
 LAYOUT = "LowBitFP8RowwiseLayout"
 OUTLIER_INDEX = "weight_outlier_index"
@@ -139,18 +135,6 @@ class FP8RowwiseCodec(FormatCodec):
 
     def _quantize(self, weight, *, seed):
         return FP8RowwiseLayout.quantize(weight, stochastic_rounding=seed)
-
-    def traced_linear(self, x, weight, bias=None, input_scale=None):
-        """A layer without outlier channels, under ``torch.compile``: the per-token quantization as
-        traceable ops, the GEMM as one op (:meth:`FormatCodec.traced_linear`). With outlier channels
-        ``None``: the opaque op runs the fused outlier act-quant kernel."""
-        if input_scale is not None or weight_layout_problem(x, weight, (LAYOUT,)) is not None:
-            return None
-        qdata, p = weight._qdata, weight._params
-        if (p.outlier_index is not None or qdata.dtype != FP8 or qdata.shape[1] != x.shape[-1]
-                or p.scale.numel() not in (1, qdata.shape[0])):
-            return None
-        return w8a8_traced_linear(x, qdata, p.scale, bias)
 
     def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
         weight = require(layer, tensors, "weight", self.spec.name)

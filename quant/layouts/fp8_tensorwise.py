@@ -26,10 +26,6 @@ Run time (:meth:`Fp8TensorwiseCodec.linear`):
   runs it.
 * on the CPU: as before (activation abs-max per tensor, kitchen's linear), so CPU results stay
   comfy-kitchen's bit for bit.
-
-Under ``torch.compile`` the per-token case traces its activation quantization as torch ops
-(:meth:`Fp8TensorwiseCodec.traced_linear`), fused by inductor into the op before the layer; the
-other two keep the opaque ``lowbit::quantized_linear`` op.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout
 
 from ...kernels.fp8_gemm import fp8_rowwise_linear
-from .base import (FormatSpec, KitchenKernelCodec, check_matrix, check_numel, require, w8a8_traced_linear,
-                   weight_layout_problem)
+from .base import FormatSpec, KitchenKernelCodec, check_matrix, check_numel, require
 
 LAYOUT = "TensorCoreFP8Layout"
 FP8 = torch.float8_e4m3fn
@@ -91,17 +86,6 @@ class Fp8TensorwiseCodec(KitchenKernelCodec):
 
     def _kitchen_linear(self, x, weight, bias, input_scale):
         return _kitchen_linear(x, weight, bias, input_scale)
-
-    def traced_linear(self, x, weight, bias=None, input_scale=None):
-        """Under ``torch.compile``, where :meth:`linear` would run the per-token kernel (no ``input_scale``,
-        a CUDA input): the per-token quantization as traceable ops, the GEMM as one op
-        (:meth:`FormatCodec.traced_linear`). Elsewhere (the CPU, a static ``input_scale``) ``None``:
-        the opaque op runs kitchen's per-tensor path, as eager mode does."""
-        if (self._call_problem(x, input_scale) is not None
-                or weight_layout_problem(x, weight, self.kernel_layouts) is not None
-                or self._weight_problem(x, weight._qdata, weight._params) is not None):
-            return None
-        return w8a8_traced_linear(x, weight._qdata, weight._params.scale, bias)
 
     def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
         weight = require(layer, tensors, "weight", self.spec.name)

@@ -13,8 +13,6 @@ activation quantization; its dispatcher picks per shape among our Triton kernels
 ``int8_linear``, ``torch._int_mm`` and dequantize (on the CPU it tries kitchen first, so CPU results
 are kitchen's bit for bit). A weight the kernels do not take runs kitchen's handler (``F.linear``).
 Kitchen's global handlers are untouched: a model loaded by stock ComfyUI keeps kitchen's path.
-Under ``torch.compile`` a plain ``int8`` layer traces its activation quantization as torch ops
-(:meth:`Int8TensorwiseCodec.traced_linear`), so inductor fuses it into the op before the layer.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ...kernels.int8_gemm import int8_linear
-from .base import (FormatSpec, KitchenKernelCodec, check_matrix, check_numel, conf_value, require,
-                   w8a8_traced_linear, weight_layout_problem)
+from .base import FormatSpec, KitchenKernelCodec, check_matrix, check_numel, conf_value, require
 
 LAYOUT = "TensorWiseINT8Layout"
 CONVROT_GROUP = 256
@@ -57,17 +54,6 @@ class Int8TensorwiseCodec(KitchenKernelCodec):
         p = weight._params
         rotation, group = ("regular", p.convrot_groupsize) if p.convrot else ("none", 0)
         return int8_linear(x, weight._qdata, p.scale, bias, out_dtype=x.dtype, rotation=rotation, group_size=group)
-
-    def traced_linear(self, x, weight, bias=None, input_scale=None):
-        """Plain ``int8`` under ``torch.compile``: the per-token quantization as traceable ops, the GEMM as
-        one op (:meth:`FormatCodec.traced_linear`). ``int8_convrot`` keeps the opaque op: its rotation
-        is fused into our act-quant kernel."""
-        if self.convrot or input_scale is not None or weight_layout_problem(x, weight, self.kernel_layouts):
-            return None
-        p = weight._params
-        if getattr(p, "convrot", False) or self._weight_problem(x, weight._qdata, p) is not None:
-            return None
-        return w8a8_traced_linear(x, weight._qdata, p.scale, bias)
 
     def comfy_quant(self, qt):
         conf = {"format": self.spec.native_format}

@@ -31,7 +31,6 @@ from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from lowbit.kernels.backend import force_backend  # noqa: E402
 from lowbit.nodes.compile import (WRAPPER_KEY, CompileSettings, LowBitCompileQuantizedModel,  # noqa: E402
                                   compile_model, compile_wrapper, demoted_clone, repeated_blocks)
 from lowbit.nodes.lora_nodes import LoraEntry, apply_lora_stack  # noqa: E402
@@ -187,17 +186,10 @@ def test_compiled_matches_eager_and_blocks_share_one_trace(quantized, flux_sd):
 @pytest.mark.parametrize("fmt", tuple(FORMATS))
 def test_every_format_traces_fullgraph_in_comfyui(fmt):
     """ComfyUI's LowBit Linear under Dynamo, every format: one graph per block class, and (aot_eager
-    changes no numerics) exactly the eager output.
-
-    A plain ``int8`` layer is traced as its activation quantization in torch ops (the arithmetic of
-    LowBit's reference kernels) and the GEMM op (``FormatCodec.traced_linear``), while eager ``int8`` on
-    the CPU runs comfy-kitchen's linear, which divides by the scale in bf16: its eager output is taken
-    on LowBit's reference kernels (``fp8_rowwise``, also traced, runs them in eager mode on the CPU anyway).
-    """
+    changes no numerics) exactly the eager output."""
     model = quantize_model(load_stock(tiny_flux_state_dict(FLUX, seed=0)), Policy(mode=fmt))
     compiled = compile_model(model, CompileSettings(backend="aot_eager", fullgraph=True))
-    with force_backend("eager") if fmt == "int8" else contextlib.nullcontext():
-        reference = run(eager_twin(compiled))
+    reference = run(eager_twin(compiled))
     before = graphs()
     out = run(compiled)
     state = compile_wrapper(compiled).state

@@ -165,20 +165,11 @@ def main(argv=None) -> dict:
     p.add_argument("--dynamic", default="tokens", help="the node's dynamic input (tokens or static)")
     p.add_argument("--fullgraph", action="store_true", help="the node's fullgraph input")
     p.add_argument("--keep-dynamo", action="store_true", help="do not reset Dynamo between modes")
-    p.add_argument("--no-fused-act-quant", action="store_true",
-                   help="keep plain W8A8 layers as one opaque op each (no traced activation quantization), for an A/B")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also profile the host side of N compiled steps per mode (enqueue vs done time, cProfile)")
     p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
     a = p.parse_args(argv)
     device, report = setup(a, "bench_compile_step")
-    if a.no_fused_act_quant:  # an A/B switch of this script only: every codec answers "no traced form"
-        from lowbit.quant.formats import FORMATS
-        from lowbit.quant.layouts.base import FormatCodec
-
-        for codec_cls in {type(codec) for codec in FORMATS.values()}:
-            codec_cls.traced_linear = FormatCodec.traced_linear
-        report["no_fused_act_quant"] = True
     from lowbit.nodes.compile import CompileSettings
 
     settings = CompileSettings(backend=a.backend, mode=a.compile_mode, scope=a.scope, dynamic=a.dynamic,
