@@ -120,7 +120,7 @@ def test_hadanorm_smoothing_centring_and_rotation(variant):
 @pytest.mark.parametrize("impl", ["tf32", "batched"])
 def test_pieces_with_a_rounded_up_last_piece(impl):
     # 31 super-blocks have five set bits: 16 + 8 + 4 and the last 3 rounded up to 4 (one masked super-block)
-    from lowbit.kernels.triton_act_quant import _pieces_launch_shape
+    from lowbit.kernels.triton_act_quant_split import _pieces_launch_shape
 
     m, k = 3, 31 * 256 - 64  # and the last group of 64 is beyond K too
     assert _pieces_launch_shape(m, k, 256, 4096, None)[1] == (4096, 2048, 1024, 1024)
@@ -244,14 +244,15 @@ def test_defaults_pick_the_kernel_and_keep_outlier_columns_on_theirs(monkeypatch
     # what the lead flips after measuring: DEFAULT_ROTATE_IMPL / DEFAULT_SPLIT route rotated calls, plain calls
     # follow DEFAULT_PLAIN_SPLIT, and FP8 outlier columns stay on the whole-row kernel whatever the defaults say
     from lowbit.kernels import triton_act_quant as aq
+    from lowbit.kernels import triton_act_quant_split as aq_split
     from lowbit.kernels.reference import act_quant_outliers_reference
 
     monkeypatch.setattr(aq, "DEFAULT_ROTATE_IMPL", "tf32")
     monkeypatch.setattr(aq, "DEFAULT_SPLIT", "pieces")
     x = randn(5, 768, seed=23, scale=2, dtype=torch.bfloat16)
-    pieces_before, pow2_before = aq._PIECES_LAUNCHER.slow_launches, aq._LAUNCHER.slow_launches
+    pieces_before, pow2_before = aq_split._PIECES_LAUNCHER.slow_launches, aq._LAUNCHER.slow_launches
     q, scale, _ = aq.act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False)
-    assert aq._PIECES_LAUNCHER.slow_launches == pieces_before + 1
+    assert aq_split._PIECES_LAUNCHER.slow_launches == pieces_before + 1
     _assert_int8_near(q, act_quant_reference(x, torch.int8, None, "regular", 256)[0])
     aq.act_quant_triton(x, torch.int8, 127.0, "none", 0, None, False)
     assert aq._LAUNCHER.slow_launches == pow2_before + 1  # DEFAULT_PLAIN_SPLIT is still "pow2"

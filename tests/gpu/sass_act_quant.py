@@ -49,10 +49,11 @@ def main(argv=None) -> int:
     from triton.compiler import ASTSource
 
     from lowbit.kernels import triton_act_quant as aq
+    from lowbit.kernels import triton_act_quant_split as aq_split
     from lowbit.kernels.reference import FP8
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    launchers = {"pow2": aq._LAUNCHER, "pieces": aq._PIECES_LAUNCHER, "chunks": aq._CHUNKED_LAUNCHER}
+    launchers = {"pow2": aq._LAUNCHER, "pieces": aq_split._PIECES_LAUNCHER, "chunks": aq_split._CHUNKED_LAUNCHER}
     target = GPUTarget("cuda", 90, 32)
     results = []
 

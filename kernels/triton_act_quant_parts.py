@@ -1,0 +1,207 @@
+"""Shared pieces of the act-quant Triton kernels (``triton_act_quant.py``, ``triton_act_quant_split.py``).
+
+Device functions: round-to-nearest-even for fp32 (``_rint``) and to the e4m3 grid by hand
+(``_round_to_e4m3``, for the CPU interpreter), the 16×16 tensor-core products of the block Hadamard
+rotation in fp16 or tf32 (``_dot_*``), a whole super-block rotation (``_rotate_superblocks``) and the
+code store (``_store_codes``). Host helpers: the ±1 rotation factors cached per device, and the small
+shape and argument helpers both launchers use.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .hadamard import hadamard_matrix
+
+ROTATE_IMPLS = {"permute": 0, "batched": 1, "dense": 2, "tf32": 3}  # the kernels' ROT_IMPL
+
+
+@triton.jit
+def _rint(y):
+    # 1.5 * 2^23: (y + c) - c rounds |y| < 2^22 to nearest-even in fp32 (the interpreter lacks libdevice)
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round fp32 ``y`` (already clamped to ±448) to the nearest-even e4m3 value, as fp32."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    exponent = tl.maximum(exponent, 121)  # below 2^-6 the e4m3 grid is uniform (subnormals)
+    inv_ulp = ((257 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+    ulp = ((exponent - 3) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    return _rint(y * inv_ulp) * ulp
+
+
+@triton.jit
+def _dot_fp16(v, h, PRECISE: tl.constexpr):
+    """``v @ h`` for fp32 ``|v| < 2`` and a ±1 fp16 matrix ``h``, fp32 accumulation. ``v`` is rounded
+    to fp16 (2^-12 of the row maximum), or with ``PRECISE`` split into fp16 hi + lo (~2^-22)."""
+    hi = v.to(tl.float16)
+    out = tl.dot(hi, h, out_dtype=tl.float32)
+    if PRECISE:
+        out += tl.dot((v - hi.to(tl.float32)).to(tl.float16), h, out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _dot_fp16_left(h, v, PRECISE: tl.constexpr):
+    """``h @ v`` (batched: ``[B, 16, 16]``) for a ±1 fp16 ``h`` and fp32 ``|v| < 2``, rounded as :func:`_dot_fp16`."""
+    hi = v.to(tl.float16)
+    out = tl.dot(h, hi, out_dtype=tl.float32)
+    if PRECISE:
+        out += tl.dot(h, (v - hi.to(tl.float32)).to(tl.float16), out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _round_tf32(v):
+    """fp32 ``v`` rounded to tf32 (10 mantissa bits, ties away from zero): exact in a tf32 product,
+    on the GPU (whose tensor cores drop the low 13 bits) as in the interpreter (which keeps them)."""
+    return ((v.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_tf32(v, h, ROUND: tl.constexpr, PRECISE: tl.constexpr):
+    """``v @ h`` for a ±1 fp32 ``h``: ``v`` rounded to tf32 (``ROUND``; else it is exact already),
+    plus the product of the rounding residual (``PRECISE``)."""
+    if ROUND:
+        hi = _round_tf32(v)
+        out = tl.dot(hi, h, input_precision="tf32", out_dtype=tl.float32)
+        if PRECISE:
+            out += tl.dot(_round_tf32(v - hi), h, input_precision="tf32", out_dtype=tl.float32)
+    else:
+        out = tl.dot(v, h, input_precision="tf32", out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _dot_tf32_left(h, v, PRECISE: tl.constexpr):
+    """``h @ v`` (batched) for a ±1 fp32 ``h``, ``v`` rounded to tf32 (+ the residual's product: ``PRECISE``)."""
+    hi = _round_tf32(v)
+    out = tl.dot(h, hi, input_precision="tf32", out_dtype=tl.float32)
+    if PRECISE:
+        out += tl.dot(h, _round_tf32(v - hi), input_precision="tf32", out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB: tl.constexpr, TWO_STAGE: tl.constexpr,
+                        ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr):
+    """fp32 ``[SB, 256]`` rows of 256-wide super-blocks times ``blockdiag(H_G)``, normalized.
+
+    ``ROT_IMPL`` 1 and 2 (fp16 operands): each super-block is scaled by its own power of two to below
+    2 (exact, undone at the end), so the fp16 operands hold 11 significant bits of the super-block's
+    maximum; 1: the ``P^T W`` stage is a batched product with ``P^T`` broadcast per super-block (no
+    layout permutes), 2: one dense 256×256 product with ``Pfull ⊗ H16`` (16× the FLOPs, no second
+    stage). 3 (tf32 operands, fp32 range: no scaling): as 1; the input is used as is (a bf16 or fp16
+    ``x`` is exact in tf32) unless ``ROUND_IN`` (smoothed, centred or fp32 input), and the ``P``
+    stage's operand is rounded to tf32 – 11 significant bits, as fp16.
+    """
+    r16 = tl.arange(0, 16)
+    if ROT_IMPL == 3:
+        qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :]).to(tl.float32)  # ±1 H16 (low index)
+        w = _dot_tf32(tl.reshape(x, (SB * 16, 16)), qmat, ROUND_IN, PRECISE)  # rows (super-block, a), cols d
+        if TWO_STAGE:
+            pt = tl.load(pmat_ptr + r16[None, :] * 16 + r16[:, None]).to(tl.float32)  # P^T: rows c, cols a
+            pt = tl.broadcast_to(pt[None, :, :], (SB, 16, 16))
+            w = _dot_tf32_left(pt, tl.reshape(w, (SB, 16, 16)), PRECISE)  # rows (super-block, c), cols d
+        w = tl.reshape(w, (SB, 256)) * rot_norm
+    else:
+        sb_exp = tl.maximum((tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF, 1)
+        x = x * ((254 - sb_exp) << 23).to(tl.float32, bitcast=True)[:, None]
+        if ROT_IMPL == 2:
+            r256 = tl.arange(0, 256)
+            hmat = tl.load(hmat_ptr + r256[:, None] * 256 + r256[None, :])  # ±1 fp16 Pfull ⊗ H16
+            w = _dot_fp16(x, hmat, PRECISE)
+        else:
+            qmat = tl.load(qmat_ptr + r16[:, None] * 16 + r16[None, :])  # ±1 fp16 H16 (acts on the low index)
+            w = _dot_fp16(tl.reshape(x, (SB * 16, 16)), qmat, PRECISE)  # rows (super-block, a), cols d
+            if TWO_STAGE:
+                w3 = tl.reshape(w, (SB, 16, 16))
+                if ROT_IMPL == 1:
+                    pt = tl.load(pmat_ptr + r16[None, :] * 16 + r16[:, None])  # P^T: rows c, cols a
+                    pt = tl.broadcast_to(pt[None, :, :], (SB, 16, 16))
+                    w = _dot_fp16_left(pt, w3, PRECISE)  # rows (super-block, c), cols d
+                else:
+                    pmat = tl.load(pmat_ptr + r16[:, None] * 16 + r16[None, :])
+                    wt = tl.reshape(tl.permute(w3, (0, 2, 1)), (SB * 16, 16))
+                    z = _dot_fp16(wt, pmat, PRECISE)
+                    w = tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1))
+            w = tl.reshape(w, (SB, 256))
+        w = w * ((sb_exp << 23).to(tl.float32, bitcast=True) * rot_norm)[:, None]
+    return w
+
+
+@triton.jit
+def _store_codes(q_ptrs, y, mask, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Store ``y`` (code units, within qmax) as FP8 or INT8 codes, ``PERM_BLOCK``-permuted for INT8.
+    ``HW_FP8_CAST`` (on a GPU): the hardware rounds, to nearest even as the hand rounding does."""
+    if OUT_FP8:
+        if HW_FP8_CAST:
+            tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+    else:
+        if HW_FP8_CAST:
+            q = libdevice.rint(y).to(tl.int8)
+        else:
+            q = _rint(y).to(tl.int8)
+        if PERM_BLOCK > 0:
+            q = tl.reshape(q, (BLOCK_M, WIDTH // PERM_BLOCK, PERM_BLOCK // 2, 2))
+            q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, WIDTH))
+        tl.store(q_ptrs, q, mask=mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation_factors(kind: str, group_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+    """(±1 ``I ⊗ P`` 16×16, ±1 H16, 1/sqrt(G), whether the P stage is needed) as fp16 on ``device``."""
+    if group_size < 16 or group_size > 256 or group_size & (group_size - 1):
+        raise ValueError(f"the fused rotation supports Hadamard groups of 16..256 (a power of two), got {group_size}")
+    q16 = hadamard_matrix(kind, 16) * 4.0
+    outer = group_size // 16
+    p = torch.ones(1, 1) if outer == 1 else hadamard_matrix(kind, outer) * outer**0.5
+    pfull = torch.kron(torch.eye(256 // group_size), p)
+    return (pfull.round().to(device=device, dtype=torch.float16).contiguous(),
+            q16.round().to(device=device, dtype=torch.float16).contiguous(),
+            1.0 / group_size**0.5, outer > 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_rotation(kind: str, group_size: int, device: torch.device) -> torch.Tensor:
+    """±1 fp16 ``Pfull ⊗ H16`` (256×256): one super-block's whole rotation, for ``rotate_impl="dense"``."""
+    pmat, qmat, _, _ = _rotation_factors(kind, group_size, device)
+    return torch.kron(pmat.float(), qmat.float()).to(torch.float16).contiguous()
+
+
+def _pow2_at_least(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def _round_in(x: torch.Tensor, smooth: torch.Tensor | None, center: bool) -> bool:
+    """Whether the rotation's input must be rounded to tf32 (``rotate_impl="tf32"``): bf16 and fp16
+    activations are exact in tf32, smoothed / centred / fp32 ones are not."""
+    return smooth is not None or center or x.dtype not in (torch.bfloat16, torch.float16)
+
+
+def _rotation_operands(rotation: str, group_size: int, rotate_impl: str, device: torch.device,
+                       unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, bool]:
+    """(P, H16, dense 256×256 or ``unused``, 1/sqrt(G), two-stage) for the kernels' rotation arguments."""
+    if rotation == "none":
+        return unused, unused, unused, 1.0, False
+    pmat, qmat, norm, two_stage = _rotation_factors(rotation, group_size, device)
+    hmat = _dense_rotation(rotation, group_size, device) if rotate_impl == "dense" else unused
+    return pmat, qmat, hmat, norm, two_stage
+
+
+
+@functools.lru_cache(maxsize=64)
+def _no_mean(device: torch.device, m: int) -> torch.Tensor:
+    """The ``[m, 0]`` mean of an uncentred call (no data: cached instead of allocated per call)."""
+    return torch.empty((m, 0), dtype=torch.float32, device=device)
