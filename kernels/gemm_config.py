@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # shared memory per block (bytes) by compute capability; Triton needs a little for itself
 _SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024}
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?(-tmastore)?(-sub)?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?(-tmastore)?(-sub)?(?:-k(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class GemmConfig:
     persistent: bool = False  # with tma: one program per SM looping over output tiles
     tma_store: bool = False  # the output tile leaves through a TMA store (contiguous outputs; else plain stores)
     subtile: bool = False  # with tma_store: the tile is stored as two BLOCK_N / 2 halves (half the staging buffer)
+    split_k: int = 1  # INT8 W8A8 only: K split over this many programs per tile, summed exactly in int32
 
     def __post_init__(self):
         for value, what in ((self.block_m, "block_m"), (self.block_n, "block_n"), (self.block_k, "block_k")):
@@ -37,6 +38,9 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{what} must be a power of two >= 16, got {value}")
         if self.subtile and not self.tma_store:
             raise ValueError("GemmConfig.subtile splits the TMA-stored output tile: it needs tma_store=True")
+        if self.split_k < 1 or (self.split_k > 1 and (self.tma or self.persistent or self.swap_ab)):
+            raise ValueError(f"GemmConfig.split_k must be >= 1, and > 1 only with plain loads (no tma, persistent or "
+                             f"swap_ab), got split_k={self.split_k}")
 
     @property
     def name(self) -> str:
@@ -44,7 +48,8 @@ class GemmConfig:
                 f"-w{self.num_warps}-s{self.num_stages}")
         return (base + ("-swap" if self.swap_ab else "") + ("-tma" if self.tma else "")
                 + ("-ws" if self.warp_specialize else "") + ("-persistent" if self.persistent else "")
-                + ("-tmastore" if self.tma_store else "") + ("-sub" if self.subtile else ""))
+                + ("-tmastore" if self.tma_store else "") + ("-sub" if self.subtile else "")
+                + (f"-k{self.split_k}" if self.split_k > 1 else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "GemmConfig":
@@ -54,7 +59,8 @@ class GemmConfig:
         bm, bn, bk, g, w, s = (int(v) for v in match.groups()[:6])
         return cls(bm, bn, bk, g, w, s, swap_ab=match.group(7) is not None, tma=match.group(8) is not None,
                    warp_specialize=match.group(9) is not None, persistent=match.group(10) is not None,
-                   tma_store=match.group(11) is not None, subtile=match.group(12) is not None)
+                   tma_store=match.group(11) is not None, subtile=match.group(12) is not None,
+                   split_k=int(match.group(13) or 1))
 
     def smem_bytes(self, a_bytes: float = 1.0, b_bytes: float = 1.0, c_bytes: float = 2.0) -> int:
         """Pipeline buffers: ``num_stages`` A and B tiles (element sizes in bytes), plus the staging
@@ -103,6 +109,11 @@ _W8A8_SMALL = (
     C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True), C(64, 128, 128, 8, 4, 4, tma=True, tma_store=True),
     C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True),
 )
+# Split-K for few rows (INT8 only: the partial sums add exactly in int32). At M = 256 an N = 3072 layer
+# has 48-96 output tiles for 132 SMs, each looping over all of K; splitting K fills the GPU (not yet
+# measured on a GPU: the dispatcher times them against the rest).
+_W8A8_SPLIT_K = (C(64, 128, 128, 8, 4, 3, split_k=2), C(64, 128, 128, 8, 4, 3, split_k=4),
+                 C(128, 128, 128, 8, 4, 3, split_k=4))
 # The 4-bit GEMM: the packed weight tile is half the bytes, the decode wants more rows per weight tile.
 # H200 sweep (session 5, tests/gpu/sweep_w4_gemm.py, GEMM alone, weights from HBM): signed nibbles are
 # fastest as 128x128x128 swap-AB, 4 warps, 4 stages (1.42x bf16 at M = 4096, 1.14x at M = 1024), with
@@ -119,9 +130,9 @@ _W4_SMALL = (
 )
 
 
-def w8a8_candidates(cap: tuple[int, int], m: int) -> list[GemmConfig]:
-    """Configs worth measuring for an INT8/FP8 GEMM with ``m`` rows on capability ``cap``."""
-    pool = _W8A8_SMALL if m <= 1024 else _W8A8_LARGE
+def w8a8_candidates(cap: tuple[int, int], m: int, fp8: bool = False) -> list[GemmConfig]:
+    """Configs worth measuring for an INT8 (``fp8`` False) or FP8 GEMM with ``m`` rows on capability ``cap``."""
+    pool = (_W8A8_SMALL + (() if fp8 else _W8A8_SPLIT_K)) if m <= 1024 else _W8A8_LARGE
     return [c for c in pool if c.fits(cap) and (not c.tma or cap >= (9, 0))] or [C(64, 64, 64, 8, 4, 2)]
 
 

@@ -146,6 +146,55 @@ def _w8a8_mm_kernel(
 
 
 @triton.jit
+def _int8_mm_split_k_kernel(
+    a_ptr, b_ptr, ws_ptr, M, N, K, stride_am, stride_bn,
+    K_TILES_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Split-K INT8: program (tile, s) sums its share of K (``K_TILES_PER_SPLIT`` tiles of ``BLOCK_K``) and
+    adds it atomically into the zeroed int32 workspace ``ws`` [M, N]. Integer sums are exact and
+    order-free, so the result equals one program's; :func:`_split_k_epilogue_kernel` applies the scales."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    first = tl.program_id(1) * K_TILES_PER_SPLIT
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
+    rows_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    offs_k = first * BLOCK_K + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for kt in range(0, K_TILES_PER_SPLIT):
+        if EVEN_K:  # K_TILES_PER_SPLIT divides K's tiles and BLOCK_K divides K: no masks
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k[None, :] < K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok, other=0)
+            b = tl.load(b_ptrs, mask=k_ok, other=0)
+        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    ws_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.atomic_add(ws_ptrs, acc, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :], sem="relaxed")
+
+
+@triton.jit
+def _split_k_epilogue_kernel(
+    ws_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, M, N, stride_cm,
+    B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The split-K sums through the same epilogue as the one-program kernels (same bits)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    acc = tl.load(ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], mask=ok, other=0)
+    _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+              offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+
+
+@triton.jit
 def _w8a8_mm_tma_kernel(
     a_desc, b_desc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
     M, N, K, stride_cm,
@@ -229,7 +278,9 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
                  ACC_INT32=a.dtype == torch.int8)
     tiles_flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    if config.tma:
+    if config.split_k > 1:
+        _split_k(a, b, out, a_scale, b_scale, args, flags, config, options)
+    elif config.tma:
         a_desc = tma_descriptor(a, (config.block_m, config.block_k))
         b_desc = tma_descriptor(b, (config.block_n, config.block_k))
         tma_store = config.tma_store and _tma_storable(out)
@@ -248,6 +299,30 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     return out
 
 
+def _split_k(a, b, out, a_scale, b_scale, args, flags, config: GemmConfig, options) -> None:
+    """:func:`w8a8_mm_triton` for a ``split_k`` config: K in ``split_k`` shares summed exactly in a zeroed
+    int32 workspace, then the epilogue (three launches: the zeroing, the GEMM, the epilogue)."""
+    if a.dtype != torch.int8:
+        raise ValueError(f"split-K config {config.name} sums INT8 products exactly in int32; FP8 codes ({a.dtype}) "
+                         f"take a config without -k")
+    m, k = a.shape
+    n = b.shape[0]
+    k_tiles = -(-k // config.block_k)
+    per_split = -(-k_tiles // config.split_k)
+    splits = -(-k_tiles // per_split)  # no empty share
+    even = k % config.block_k == 0 and k_tiles % per_split == 0
+    ws = torch.zeros((m, n), dtype=torch.int32, device=a.device)
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    _SPLIT_K.launch((tiles, splits), (a, b, ws, m, n, k, a.stride(0), b.stride(0)),
+                    dict(K_TILES_PER_SPLIT=per_split, EVEN_K=even, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                         BLOCK_K=config.block_k, GROUP_M=config.group_m), **options)
+    bias, row_shift, col_shift = args[:3]
+    _SPLIT_K_EPILOGUE.launch((-(-m // 64), -(-n // 64)),
+                             (ws, out, a_scale, b_scale, bias, row_shift, col_shift, m, n, out.stride(0)),
+                             dict(B_SCALE_PER_N=flags["B_SCALE_PER_N"], HAS_BIAS=flags["HAS_BIAS"],
+                                  HAS_SHIFT=flags["HAS_SHIFT"], BLOCK_M=64, BLOCK_N=64), num_warps=4)
+
+
 _STORABLE = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -258,5 +333,7 @@ def _tma_storable(out: torch.Tensor) -> bool:
 
 
 _POINTER = TritonLauncher(_w8a8_mm_kernel)
+_SPLIT_K = TritonLauncher(_int8_mm_split_k_kernel)
+_SPLIT_K_EPILOGUE = TritonLauncher(_split_k_epilogue_kernel)
 _TMA = TritonLauncher(_w8a8_mm_tma_kernel)
 _PERSISTENT = TritonLauncher(_w8a8_mm_persistent_kernel)

@@ -212,10 +212,10 @@ class _TritonW8A8Plan:
         return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, self.out_dtype, self.config)
 
 
-def triton_gemm_names(device: torch.device, m: int, k: int) -> list[str]:
-    """The ``triton:<config>`` candidates of an INT8/FP8 GEMM with ``m`` rows and reduction length ``k``:
-    the tile configs worth measuring on this GPU (the CPU interpreter: the default one)."""
-    configs = w8a8_candidates(capability(device), m) if device.type == "cuda" else [default_config(m)]
+def triton_gemm_names(device: torch.device, m: int, k: int, fp8: bool) -> list[str]:
+    """The ``triton:<config>`` candidates of an INT8 (``fp8`` False) or FP8 GEMM with ``m`` rows and reduction
+    length ``k``: the tile configs worth measuring on this GPU (the CPU interpreter: the default one)."""
+    configs = w8a8_candidates(capability(device), m, fp8) if device.type == "cuda" else [default_config(m)]
     k_aligned = k % 16 == 0  # TMA descriptors need 16-byte row strides
     # a ragged K (K + 2r with outlier columns) is a masked K tail: every tile config runs it
     return [f"triton:{c.name}" for c in configs if k_aligned or not c.tma]
@@ -303,7 +303,7 @@ class _Plan:
         m = self.x.shape[0]
         triton_ok = self._triton_problem() is None
         on_gpu = self.device.type == "cuda"
-        triton = triton_gemm_names(self.device, m, self.gemm_k) if triton_ok else []
+        triton = triton_gemm_names(self.device, m, self.gemm_k, self.fp8) if triton_ok else []
         torch_mm = ["torch"] if self._torch_ok() else []
         kitchen = ["kitchen"] if self._kitchen_ok() else []
         if on_gpu:  # the reference is never measured on a GPU (it cannot win); it runs when forced

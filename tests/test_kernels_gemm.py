@@ -27,6 +27,7 @@ CONFIGS = [
     GemmConfig(32, 64, 64, 4, 4, 2, tma=True, persistent=True, tma_store=True, subtile=True),
 ]
 TMA_STORE = [c for c in CONFIGS if c.tma_store]
+SPLIT_K = [GemmConfig(32, 32, 32, 4, 4, 2, split_k=2), GemmConfig(16, 32, 64, 2, 4, 2, split_k=3)]
 
 
 def _mm(*args, **kwargs):
@@ -114,8 +115,41 @@ def test_tma_store_falls_back_to_plain_stores_for_unaligned_outputs():
     assert torch.equal(out, int8_accumulate_reference(a, b).float()) and torch.isnan(big[:, n]).all()
 
 
+@pytest.mark.parametrize("config", SPLIT_K, ids=lambda c: c.name)
+@pytest.mark.parametrize("m,n,k", [(37, 72, 320), (5, 40, 96), (33, 64, 1000)])
+def test_split_k_sums_int8_exactly(config, m, n, k):
+    """K split over several programs whose int32 partial sums add atomically: exact, whatever the order,
+    for ragged M, N and K (a K share may end in a masked tail or be shorter than the others)."""
+    a, b = randint8(m, k, seed=m + 2 * k), randint8(n, k, seed=n + k + 3)
+    poison = torch.full((m, n), float("nan"))
+    out = _mm(a, b, torch.ones(m, 1), torch.ones(n), None, None, None, torch.float32, config, out=poison)
+    assert torch.equal(out, int8_accumulate_reference(a, b).float())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_split_k_epilogue_is_the_one_program_epilogue(out_dtype):
+    m, n, k = 29, 48, 384
+    a, b = randint8(m, k, seed=21), randint8(n, k, seed=22)
+    a_scale = torch.rand(m, 1, generator=torch.Generator().manual_seed(23)) * 1e-2
+    b_scale = torch.rand(n, generator=torch.Generator().manual_seed(24)) * 1e-2
+    bias, row_shift, col_shift = randn(n, seed=25), randn(m, seed=26), randn(n, seed=27)
+    args = (a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype)
+    assert torch.equal(_mm(*args, SPLIT_K[0]), _mm(*args, CONFIGS[0]))
+
+
+def test_split_k_refuses_fp8_and_is_offered_for_int8_at_small_m_only():
+    a = randn(16, 64, seed=28, scale=40).clamp(-448, 448).to(FP8)
+    with pytest.raises(ValueError, match="INT8 products exactly"):
+        _mm(a, a, torch.ones(16, 1), torch.ones(16), None, None, None, torch.float32, SPLIT_K[0])
+    assert any(c.split_k > 1 for c in w8a8_candidates((9, 0), 256))
+    assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 256, fp8=True))
+    assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 4096))
+    with pytest.raises(ValueError, match="split_k"):
+        GemmConfig(64, 64, 64, tma=True, split_k=2)
+
+
 def test_config_names_round_trip_and_reject_garbage():
-    for config in CONFIGS + [GemmConfig(64, 128, 128, 8, 4, 4, swap_ab=True)]:
+    for config in CONFIGS + SPLIT_K + [GemmConfig(64, 128, 128, 8, 4, 4, swap_ab=True)]:
         assert GemmConfig.from_name(config.name) == config
         assert config_named(config.name) is config_named(config.name)
     with pytest.raises(ValueError, match="config name"):
