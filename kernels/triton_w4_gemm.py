@@ -231,8 +231,8 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     tma_ok = _tma_device(a.device)
     tma_a = config.tma and tma_ok and _describable(a)
     tma_w = config.tma and tma_ok and _describable(packed) and _TMA_WEIGHT[codebook]
-    tma_store = getattr(config, "tma_store", False) and tma_ok and out.dtype in _STORABLE and _describable(out)
-    subtile = tma_store and getattr(config, "subtile", False)
+    tma_store = config.tma_store and tma_ok and out.dtype in _STORABLE and _describable(out)
+    subtile = tma_store and config.subtile
     a_arg = tma_descriptor(a, (config.block_m, half)) if tma_a else a
     w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_w else packed
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
@@ -255,7 +255,7 @@ def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, ha
     (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
                 SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
-                SUBTILE=tma_store and getattr(config, "subtile", False), PERSISTENT=config.persistent,
+                SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
 
 

@@ -23,13 +23,7 @@ from lowbit.kernels.reference import FP8, int8_accumulate_reference, scaled_mm_r
 
 pytestmark = needs_triton_interpreter()
 
-if {"tma_store", "subtile"} <= {f.name for f in dataclasses.fields(GemmConfig)}:
-    Config = GemmConfig
-else:  # the flags not yet in GemmConfig: the kernel reads them with getattr
-    @dataclasses.dataclass(frozen=True)
-    class Config(GemmConfig):
-        tma_store: bool = False
-        subtile: bool = False
+Config = GemmConfig
 
 BASE = Config(32, 32, 64, 4, 4, 2)
 VARIANTS = {

@@ -344,7 +344,7 @@ def offline_compile(name: str, kind: str, arch: int = 90) -> dict:
     from lowbit.kernels.triton_w4_gemm import _TMA_WEIGHT, kernel_constexprs
 
     config = parse_config(name)
-    tma_store = getattr(config, "tma_store", False)
+    tma_store = config.tma_store
     half, store_n = config.block_k // 2, config.block_n // (2 if tma_store and config.subtile else 1)
     codebook = kind == "codebook"
     runtime = [f"tensordesc<i8[{config.block_m}, {half}]>" if config.tma else "*i8", None,
