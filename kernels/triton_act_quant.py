@@ -169,6 +169,7 @@ def _launch_shape(m: int, k: int, rotate: bool, tile_elements: int, num_warps: i
     return block_m, block_k, num_warps, -(-m // block_m)
 
 
+@functools.lru_cache(maxsize=256)  # on every rotated call (the default is a variant): checked once per combination
 def _check_variant(rotate_impl: str, split: str, chunk: int, rotate: bool, perm_block: int, outliers: bool) -> None:
     if rotate_impl not in ROTATE_IMPLS:
         raise ValueError(f"rotate_impl must be one of {sorted(ROTATE_IMPLS)}, got {rotate_impl!r}; "
