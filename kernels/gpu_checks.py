@@ -283,6 +283,26 @@ def verify(device: torch.device) -> list[str]:
               f"perm={perm_block}", ok and scale_ok, f"codes differing {frac:.2e}, max {diff.max().item():.3g}, "
               f"scale rel {((s - sr).abs() / sr).max().item():.1e}, near {near}")
 
+    from ..quant.compiled_linear import gelu_input
+    from .triton_gelu_act_quant import gelu_act_quant_triton
+
+    # [a | gelu(b)] (b a column slice, as Flux's single blocks): the GELU is ours, not torch's, so a
+    # value may round to the neighbouring bf16 and its code move one step
+    for m, ka, kb, approximate, fp8 in [(4096, 3072, 12288, "tanh", False), (300, 3072, 12288, "tanh", True),
+                                        (77, 0, 12288, "tanh", False), (33, 0, 5000, "none", True)]:
+        wide = (torch.randn(m, 9216 + kb, device=device) * 2).to(torch.bfloat16)
+        b = wide[:, 9216:]
+        a = (torch.randn(m, ka, device=device) * 3).to(torch.bfloat16) if ka else None
+        dt = FP8 if fp8 else torch.int8
+        q, s = gelu_act_quant_triton(a, b, dt, 448.0 if fp8 else 127.0, approximate)
+        qr, sr, _ = act_quant_reference(gelu_input(a, b, approximate), dt)
+        diff = (q.float() - qr.float()).abs()
+        frac = (diff > 0).float().mean().item()
+        near = (diff <= qr.float().abs() * 0.125 + 2**-9).all().item() if fp8 else diff.max().item() <= 1
+        check(f"gelu act_quant m={m} ka={ka} kb={kb} {approximate} {'fp8' if fp8 else 'int8'}",
+              bool(torch.isfinite(q.float()).all()) and frac < 1e-3 and near and torch.allclose(s, sr, rtol=2**-7),
+              f"codes differing {frac:.2e}, max {diff.max().item():.3g}, scale rel {((s - sr).abs() / sr).max().item():.1e}")
+
     def close_bf16(out, ref):  # same fp32 math, rounded once to bf16 (an FMA may move the last bit)
         diff = (out.float() - ref.float()).abs()
         return torch.isfinite(out.float()).all().item() and (diff <= ref.float().abs() * 2**-7 + 1e-6).all().item()

@@ -44,6 +44,7 @@ from comfy_api.latest import io
 from comfy_kitchen.tensor import QuantizedTensor
 
 from . import CATEGORY
+from ..quant import compile_fusion
 from ..quant.errors import LowBitError
 from .common import NodeInputError
 
@@ -71,6 +72,8 @@ class CompileSettings:
     for all resolutions), ``static`` specializes on shapes (a new resolution compiles again).
     ``fullgraph``: fail (and fall back to eager) on a graph break instead of splitting the graph.
     ``recompile_limit``: Dynamo's per-function limit is raised to at least this.
+    ``fuse_gelu`` (inductor): quantized linears fed ``gelu(b)`` or ``cat([a, gelu(b)])`` quantize
+    their input in one kernel with the GELU (``quant/compile_fusion.py``).
     """
 
     backend: str = "inductor"
@@ -79,6 +82,7 @@ class CompileSettings:
     dynamic: str = "tokens"
     fullgraph: bool = False
     recompile_limit: int = 32
+    fuse_gelu: bool = True
     version: int = SETTINGS_VERSION
 
     def __post_init__(self):
@@ -91,15 +95,17 @@ class CompileSettings:
         limit = self.recompile_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1024:
             raise NodeInputError(f"recompile_limit must be an integer from 1 to 1024, got {limit!r}")
-        if not isinstance(self.fullgraph, bool):
-            raise NodeInputError(f"fullgraph must be true or false, got {self.fullgraph!r}")
+        for name in ("fullgraph", "fuse_gelu"):
+            if not isinstance(getattr(self, name), bool):
+                raise NodeInputError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.version != SETTINGS_VERSION:
             raise NodeInputError(f"compile settings version {self.version} is not supported "
                                  f"(expected {SETTINGS_VERSION})")
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "mode": self.mode, "scope": self.scope, "dynamic": self.dynamic,
-                "fullgraph": self.fullgraph, "recompile_limit": self.recompile_limit, "version": self.version}
+                "fullgraph": self.fullgraph, "recompile_limit": self.recompile_limit, "fuse_gelu": self.fuse_gelu,
+                "version": self.version}
 
     @classmethod
     def from_dict(cls, data: dict) -> "CompileSettings":
@@ -107,7 +113,7 @@ class CompileSettings:
 
     def compile_key(self) -> tuple:
         """What makes two compiled functions different (the recompile limit does not)."""
-        return (self.backend, self.mode, self.dynamic, self.fullgraph)
+        return (self.backend, self.mode, self.dynamic, self.fullgraph, self.fuse_gelu)
 
 
 # ---- guards, limits, dynamic dimensions ----------------------------------------------------------------
@@ -184,6 +190,8 @@ def compiled_forward(cls: type, settings: CompileSettings) -> Callable:
     if fn is None:
         # torch.compile takes a mode or options, not both: a mode is passed as the inductor options it stands for
         options = {**mode_options(settings.mode), "guard_filter_fn": skip_transformer_options_guards}
+        if settings.backend == "inductor" and settings.fuse_gelu and compile_fusion.supported():
+            options["pre_grad_custom_pass"] = compile_fusion.GeluLinearFusion()
         target = cls.forward
         if options.get("triton.cudagraphs"):
             target = on_copied_inputs(target)

@@ -250,6 +250,56 @@ def _define(name: str, impl, fake):
 quantized_linear_op = _define("quantized_linear", _quantized_linear_impl, _quantized_linear_fake)
 
 
+# ---- the same op, its input ``[a | gelu(b)]`` given as ``a`` and ``b`` (quant/compile_fusion.py) --------
+
+def gelu_input(a: torch.Tensor | None, b: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``cat([a, gelu(b)], -1)``, or ``gelu(b)`` without ``a``: the input the fused op stands for."""
+    g = torch.nn.functional.gelu(b, approximate=approximate)
+    return g if a is None else torch.cat([a, g], dim=-1)
+
+
+def _quantized_linear_gelu_impl(a: torch.Tensor | None, b: torch.Tensor, qdata: torch.Tensor,
+                                param_tensors: list[torch.Tensor], bias: torch.Tensor | None,
+                                input_scale: torch.Tensor | None, spec: str, backend: str,
+                                approximate: str) -> torch.Tensor:
+    if backend == "auto" and input_scale is None and active_backend() is Backend.AUTO:
+        out = _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate)
+        if out is not None:
+            return out
+    return _quantized_linear_impl(gelu_input(a, b, approximate), qdata, param_tensors, bias, input_scale, spec,
+                                  backend)
+
+
+def _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate) -> torch.Tensor | None:
+    """The GELU fused into the activation quantization, where the weight is a plain W8A8 one and the
+    dispatcher settled on our Triton GEMM for the unfused call (``None`` otherwise)."""
+    from ..kernels.w8a8_linear import w8a8_gelu_linear
+    from .formats import get_format
+
+    parsed = parse_spec(spec)
+    weight = rebuild_weight(qdata, list(param_tensors), parsed, dtype=b.dtype)
+    if a is not None and (a.shape[:-1] != b.shape[:-1] or a.dtype != b.dtype):
+        return None
+    features = b.shape[-1] + (0 if a is None else a.shape[-1])
+    plain = get_format(parsed.format_name).plain_w8a8(b.new_empty((0, features)), weight)  # no data: the checks
+    if plain is None:
+        return None
+    fmt, codes, scale = plain
+    if bias is not None and bias.dtype != b.dtype:
+        bias = bias.to(b.dtype)
+    out = w8a8_gelu_linear(fmt, None if a is None else a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]),
+                           codes, scale, bias, b.dtype, approximate)
+    return None if out is None else out.reshape(*b.shape[:-1], out.shape[-1])
+
+
+def _quantized_linear_gelu_fake(a, b, qdata, param_tensors, bias, input_scale, spec, backend, approximate):
+    return b.new_empty((*b.shape[:-1], parse_spec(spec).out_features))
+
+
+quantized_linear_gelu_op = _define("quantized_linear_gelu", _quantized_linear_gelu_impl,
+                                   _quantized_linear_gelu_fake)
+
+
 # ---- dequantize, as an op -----------------------------------------------------------------------------
 
 def _dequantize_weight_impl(qdata: torch.Tensor, param_tensors: list[torch.Tensor], spec: str) -> torch.Tensor:
@@ -317,5 +367,6 @@ def quantized_linear(format_name: str, x: torch.Tensor, weight: QuantizedTensor,
     return _run(format_name, x, weight, bias, input_scale, backend)
 
 
-__all__ = ["CompiledLinearError", "backend_scope", "dequantize_weight", "dequantize_weight_op", "linear_spec",
-           "op_arguments", "param_tensors", "parse_spec", "quantized_linear", "quantized_linear_op", "rebuild_weight"]
+__all__ = ["CompiledLinearError", "backend_scope", "dequantize_weight", "dequantize_weight_op", "gelu_input",
+           "linear_spec", "op_arguments", "param_tensors", "parse_spec", "quantized_linear", "quantized_linear_gelu_op",
+           "quantized_linear_op", "rebuild_weight"]

@@ -90,12 +90,19 @@ class FormatCodec:
         run one layer many times (the ComfyUI ops) bind once per weight and reuse it.
         For our own layouts it is the function registered by :func:`register_linear_family`.
         """
-        if type(self).linear is not FormatCodec.linear or not _plain_call(x, weight):
+        if type(self).linear is not FormatCodec.linear or not plain_call(x, weight):
             return None
         fn = _LINEAR_FNS.get(weight._layout_cls)
         if fn is None or getattr(weight._params, "transposed", False) or weight._qdata.device != x.device:
             return None
         return fn
+
+    def plain_w8a8(self, x: torch.Tensor, weight: QuantizedTensor) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+        """``(dispatch format, codes [N, K], weight scale)`` when a call like ``linear(x, weight)`` is a
+        plain W8A8 product on LowBit's kernels: per-token INT8 or e4m3 activation codes with no
+        smoothing, centring, rotation or outlier columns (what ``w8a8_linear.w8a8_gelu_linear`` takes);
+        ``None`` for every other format or weight."""
+        return None
 
     # ---- checkpoint form ----------------------------------------------------------------
     def comfy_quant(self, qt: QuantizedTensor) -> dict:
@@ -161,7 +168,7 @@ LinearRunner = Callable[[torch.Tensor, QuantizedTensor, "torch.Tensor | None"], 
 _LINEAR_FNS: dict[str, LinearRunner] = {}
 
 
-def _plain_call(x, weight) -> bool:
+def plain_call(x, weight) -> bool:
     return (not isinstance(x, QuantizedTensor) and isinstance(weight, QuantizedTensor)
             and active_backend() is Backend.AUTO)
 
@@ -305,7 +312,7 @@ class KitchenKernelCodec(FormatCodec):
         """:meth:`FormatCodec.bind_linear` for a kitchen layout: when LowBit's kernels take calls like
         this one, a runner that goes straight to them (keeping :func:`linear_on_kernel`'s fallback to
         kitchen's path if a kernel fails); ``None`` when the call runs kitchen's path anyway."""
-        if not _plain_call(x, weight) or self._kernel_problem(x, weight, input_scale) is not None:
+        if not plain_call(x, weight) or self._kernel_problem(x, weight, input_scale) is not None:
             return None
         name = self.spec.name
 

@@ -24,7 +24,8 @@ from comfy_kitchen.tensor import BaseLayoutParams, QuantizedLayout, QuantizedTen
 from ...kernels.fp8_gemm import (FP8, dequantize_fp8_rowwise, fp8_rowwise_linear, quantize_fp8_rowwise,
                                  quantize_fp8_rowwise_outliers)
 from ..errors import CheckpointFormatError
-from .base import FormatCodec, FormatSpec, check_matrix, check_numel, register_linear_family, require
+from .base import (FormatCodec, FormatSpec, plain_call, check_matrix, check_numel, register_linear_family,
+                   require)
 
 LAYOUT = "LowBitFP8RowwiseLayout"
 OUTLIER_INDEX = "weight_outlier_index"
@@ -135,6 +136,14 @@ class FP8RowwiseCodec(FormatCodec):
 
     def _quantize(self, weight, *, seed):
         return FP8RowwiseLayout.quantize(weight, stochastic_rounding=seed)
+
+    def plain_w8a8(self, x, weight):
+        qdata, p = weight._qdata, weight._params
+        if (not plain_call(x, weight) or weight._layout_cls != LAYOUT or p.outlier_index is not None
+                or getattr(p, "transposed", False) or qdata.device != x.device or not qdata.is_contiguous()
+                or qdata.dtype != FP8 or qdata.dim() != 2 or qdata.shape[1] != x.shape[-1]):
+            return None
+        return "fp8_rowwise", qdata, p.scale
 
     def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
         weight = require(layer, tensors, "weight", self.spec.name)

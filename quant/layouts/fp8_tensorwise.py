@@ -87,6 +87,11 @@ class Fp8TensorwiseCodec(KitchenKernelCodec):
     def _kitchen_linear(self, x, weight, bias, input_scale):
         return _kitchen_linear(x, weight, bias, input_scale)
 
+    def plain_w8a8(self, x, weight):
+        if self._kernel_problem(x, weight) is not None:
+            return None
+        return "fp8_rowwise", weight._qdata, weight._params.scale
+
     def from_state_dict(self, layer, tensors, conf, compute_dtype=torch.bfloat16):
         weight = require(layer, tensors, "weight", self.spec.name)
         if weight.dtype == torch.uint8:  # legacy files store the fp8 bytes as uint8

@@ -55,6 +55,11 @@ class Int8TensorwiseCodec(KitchenKernelCodec):
         rotation, group = ("regular", p.convrot_groupsize) if p.convrot else ("none", 0)
         return int8_linear(x, weight._qdata, p.scale, bias, out_dtype=x.dtype, rotation=rotation, group_size=group)
 
+    def plain_w8a8(self, x, weight):
+        if self.convrot or weight._params.convrot or self._kernel_problem(x, weight) is not None:
+            return None
+        return "int8", weight._qdata, weight._params.scale
+
     def comfy_quant(self, qt):
         conf = {"format": self.spec.native_format}
         if self.convrot:

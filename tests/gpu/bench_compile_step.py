@@ -168,12 +168,13 @@ def main(argv=None) -> dict:
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also profile the host side of N compiled steps per mode (enqueue vs done time, cProfile)")
     p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
+    p.add_argument("--no-fuse-gelu", action="store_true", help="compile without the GELU + act-quant fusion pass")
     a = p.parse_args(argv)
     device, report = setup(a, "bench_compile_step")
     from lowbit.nodes.compile import CompileSettings
 
     settings = CompileSettings(backend=a.backend, mode=a.compile_mode, scope=a.scope, dynamic=a.dynamic,
-                               fullgraph=a.fullgraph)
+                               fullgraph=a.fullgraph, fuse_gelu=not a.no_fuse_gelu)
     first = [m for m in ("bf16", "bf16" + ATTN_SUFFIX) if m in a.modes]  # the baselines run first
     modes = first + [m for m in a.modes if m not in first]
     report.data.update(compile=settings.to_dict(), reset_dynamo_per_mode=not a.keep_dynamo, modes={})
