@@ -85,11 +85,12 @@ def _gelu_act_quant_kernel(
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_shape(m: int, k: int) -> tuple[int, int, int, int]:
+def _launch_shape(m: int, k: int, tile_elements: int, num_warps: int | None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps, programs) for rows of ``k`` features."""
     block_k = max(_pow2_at_least(k), 16)
-    block_m = max(1, min(16, TILE_ELEMENTS // block_k, _pow2_at_least(m)))
-    num_warps = 4 if block_m * block_k <= 4096 else 8
+    block_m = max(1, min(16, tile_elements // block_k, _pow2_at_least(m)))
+    if num_warps is None:
+        num_warps = 4 if block_m * block_k <= 4096 else 8
     return block_m, block_k, num_warps, -(-m // block_m)
 
 
@@ -103,10 +104,12 @@ def gelu_act_quant_problem(k: int, approximate: str) -> str | None:
 
 
 def gelu_act_quant_triton(a: torch.Tensor | None, b: torch.Tensor, out_dtype: torch.dtype, qmax: float,
-                          approximate: str = "tanh") -> tuple[torch.Tensor, torch.Tensor]:
+                          approximate: str = "tanh", tile_elements: int = TILE_ELEMENTS,
+                          num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[M, Ka + Kb]`` and fp32 scales ``[M, 1]`` of ``cat([a, gelu(b)], -1)`` (``a`` may be
     ``None``), quantized per row. ``a``, ``b``: 2-D, same rows and dtype, unit column stride (any row
-    stride: ``b`` may be a column slice of a wider tensor). ``out_dtype``: int8 or float8_e4m3fn."""
+    stride: ``b`` may be a column slice of a wider tensor). ``out_dtype``: int8 or float8_e4m3fn.
+    ``tile_elements`` / ``num_warps``: the program size (benchmark sweeps)."""
     if b.dim() != 2 or (a is not None and (a.dim() != 2 or a.shape[0] != b.shape[0] or a.dtype != b.dtype)):
         raise ValueError(f"a and b must be 2-D with the same rows and dtype, got "
                          f"{None if a is None else (tuple(a.shape), a.dtype)} and {(tuple(b.shape), b.dtype)}")
@@ -123,7 +126,7 @@ def gelu_act_quant_triton(a: torch.Tensor | None, b: torch.Tensor, out_dtype: to
     scale = torch.empty((m, 1), dtype=torch.float32, device=b.device)
     if m == 0:
         return q, scale
-    block_m, block_k, num_warps, programs = _launch_shape(m, ka + kb)
+    block_m, block_k, num_warps, programs = _launch_shape(m, ka + kb, tile_elements, num_warps)
     _LAUNCHER.launch(
         (programs,),
         (b if a is None else a, b, q, scale, m, ka, kb, 0 if a is None else a.stride(0), b.stride(0), q.stride(0),

@@ -218,10 +218,11 @@ def w8a8_gelu_linear(fmt: str, a: torch.Tensor | None, b: torch.Tensor, weight: 
     """``linear(cat([a, gelu(b)], -1))`` of a plain W8A8 weight (no pre-processing) with the GELU and the
     concatenation fused into the activation quantization (``triton_gelu_act_quant.py``), or ``None``.
 
-    ``a`` ``[M, Ka]`` (or ``None``), ``b`` ``[M, Kb]``. It runs only where the dispatcher has already
-    settled a ``triton:<config>`` GEMM for the unfused call of ``fmt`` with these shapes: that config
-    is used. ``None`` (the caller runs the unfused linear, which measures and decides) otherwise: no
-    decision yet, another implementation won, a backend is forced, or the kernel cannot take the rows.
+    ``a`` ``[M, Ka]`` (or ``None``), ``b`` ``[M, Kb]``. It runs where the dispatcher has already settled
+    the unfused call of ``fmt`` with these shapes on our act-quant and a GEMM that takes its codes: a
+    ``triton:<config>`` GEMM (that config) or ``torch`` (``torch._int_mm`` / ``_scaled_mm``). ``None``
+    (the caller runs the unfused linear, which measures and decides) otherwise: no decision yet,
+    comfy-kitchen or dequantize won, a backend is forced, or the kernel cannot take the rows.
     """
     from .triton_gelu_act_quant import gelu_act_quant_problem
 
@@ -233,20 +234,20 @@ def w8a8_gelu_linear(fmt: str, a: torch.Tensor | None, b: torch.Tensor, weight: 
     if not (b.is_cuda or interpreting()) or triton_problem(b.device, needs_fp8=weight.dtype == FP8 and b.is_cuda):
         return None
     name = dispatch.decision(fmt, b.device, b.shape[0], weight.shape[0], k)
-    if name is None or not name.startswith("triton:"):
+    if name is None or not (name.startswith("triton:") or name == "torch"):
         return None
-    return _gelu_triton(config_named(name.split(":", 1)[1]), a, b, weight, weight_scale, bias, out_dtype, approximate)
-
-
-def _gelu_triton(config, a, b, weight, weight_scale, bias, out_dtype, approximate) -> torch.Tensor:
     from .triton_gelu_act_quant import gelu_act_quant_triton
-    from .triton_w8a8_gemm import w8a8_mm_triton
 
     fp8 = weight.dtype == FP8
     q, scale = gelu_act_quant_triton(a, b, FP8 if fp8 else torch.int8, FP8_MAX if fp8 else INT8_MAX, approximate)
-    w_scale = weight_scale if weight_scale.dtype == torch.float32 and weight_scale.is_contiguous() \
-        else weight_scale.reshape(-1).float()
-    return w8a8_mm_triton(q, weight, scale, w_scale.reshape(-1), bias, None, None, out_dtype, config)
+    w_scale = weight_scale.reshape(-1)
+    if w_scale.dtype != torch.float32:
+        w_scale = w_scale.float()
+    if name == "torch":
+        return torch_scaled_mm(q, weight, scale, w_scale, bias, None, None, out_dtype)
+    from .triton_w8a8_gemm import w8a8_mm_triton
+
+    return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, out_dtype, config_named(name.split(":", 1)[1]))
 
 
 def triton_gemm_names(device: torch.device, m: int, k: int, fp8: bool) -> list[str]:

@@ -253,9 +253,14 @@ quantized_linear_op = _define("quantized_linear", _quantized_linear_impl, _quant
 # ---- the same op, its input ``[a | gelu(b)]`` given as ``a`` and ``b`` (quant/compile_fusion.py) --------
 
 def gelu_input(a: torch.Tensor | None, b: torch.Tensor, approximate: str) -> torch.Tensor:
-    """``cat([a, gelu(b)], -1)``, or ``gelu(b)`` without ``a``: the input the fused op stands for."""
-    g = torch.nn.functional.gelu(b, approximate=approximate)
-    return g if a is None else torch.cat([a, g], dim=-1)
+    """``cat([a, gelu(b)], -1)``, or ``gelu(b)`` without ``a``: the input the fused op stands for (the
+    GELU written straight into its columns of the result: two kernels, not three)."""
+    if a is None:
+        return torch.nn.functional.gelu(b, approximate=approximate)
+    out = b.new_empty((*b.shape[:-1], a.shape[-1] + b.shape[-1]), dtype=torch.promote_types(a.dtype, b.dtype))
+    out[..., :a.shape[-1]] = a
+    torch._C._nn.gelu(b, approximate=approximate, out=out[..., a.shape[-1]:])
+    return out
 
 
 def _quantized_linear_gelu_impl(a: torch.Tensor | None, b: torch.Tensor, qdata: torch.Tensor,

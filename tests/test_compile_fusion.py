@@ -21,6 +21,7 @@ from lowbit.kernels.gemm_config import default_config
 from lowbit.kernels.reference import FP8, FP8_MAX, INT8_MAX, act_quant_reference
 from lowbit.kernels.triton_gelu_act_quant import gelu_act_quant_problem, gelu_act_quant_triton
 from lowbit.kernels.triton_w8a8_gemm import w8a8_mm_triton
+from lowbit.kernels.w8a8_linear import torch_scaled_mm
 from lowbit.quant.compile_fusion import GeluLinearFusion, supported
 from lowbit.quant.compiled_linear import (gelu_input, op_arguments, quantized_linear, quantized_linear_gelu_op)
 from lowbit.quant.formats import FORMATS
@@ -44,7 +45,10 @@ def test_gelu_act_quant_equals_the_reference_of_the_materialized_input(ka, appro
     a, b = _inputs(7, ka, KB, seed=3)
     assert b.stride(0) != b.shape[1]
     q, scale = gelu_act_quant_triton(a, b, out_dtype, qmax, approximate)
-    ref_q, ref_scale, _ = act_quant_reference(gelu_input(a, b, approximate), out_dtype, qmax)
+    x = gelu_input(a, b, approximate)
+    g = F.gelu(b, approximate=approximate)
+    assert torch.equal(x, g if a is None else torch.cat([a, g], -1))
+    ref_q, ref_scale, _ = act_quant_reference(x, out_dtype, qmax)
     assert q.dtype == out_dtype and q.shape == (7, ka + KB)
     # as values: far below a code step the GELU's tail (-1e-35...) keeps no sign in the hand-rounded e4m3
     assert torch.equal(q.float(), ref_q.float())
@@ -111,7 +115,14 @@ def test_fused_op_runs_the_kernel_with_the_decided_gemm(fmt, monkeypatch):
     expected = w8a8_mm_triton(q, codes, scale, w_scale.reshape(-1).float(), layer.bias, None, None, torch.bfloat16,
                               config)
     assert torch.equal(out, expected)
-    # another decision (not a Triton GEMM): the unfused linear, no fused kernel
+    if fmt == "int8":  # torch._int_mm on our codes (FP8's _scaled_mm needs a GPU)
+        with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions={key: "torch"})):
+            out = quantized_linear_gelu_op(*args)
+        assert calls == [1, 1]
+        assert torch.equal(out, torch_scaled_mm(q, codes, scale, w_scale.reshape(-1).float(), layer.bias, None, None,
+                                                torch.bfloat16))
+        calls.pop()
+    # a decision whose GEMM does not take our codes (dequantize): the unfused linear, no fused kernel
     with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions={key: "dequant"})):
         assert torch.equal(quantized_linear_gelu_op(*args),
                            quantized_linear(fmt, gelu_input(a, b, "tanh"), layer.weight, layer.bias))
