@@ -10,9 +10,11 @@ quantizes the row and writes only the codes: the bf16 intermediate is never stor
 The pass runs on Dynamo's graph before inductor lowers it (inductor's ``pre_grad_custom_pass``): there
 ``torch.cat``, the GELU and ``torch.ops.lowbit.quantized_linear`` are still single nodes. A match
 needs the GELU (and the concatenation) to feed only the linear, and the concatenation to be along
-the last dimension of tensors of one dtype. Everything else is left as it is. The op itself falls
-back to ``gelu`` + ``cat`` + ``quantized_linear`` wherever the fused kernel does not apply, so a
-rewrite never changes what runs, only how (``quant/compiled_linear.py``).
+the last dimension of tensors of one dtype. Everything else is left as it is. Only layers whose format can take the fused
+kernels are rewritten (plain ``int8``, ``fp8``, ``fp8_rowwise``: the rotated and 4-bit formats keep
+inductor's GELU kernel). The op itself falls back to ``gelu`` + ``cat`` + ``quantized_linear`` wherever
+the fused kernel does not apply at run time, so a rewrite never changes what is computed, only how
+(``quant/compiled_linear.py``).
 
 Nothing here imports ComfyUI.
 """
@@ -88,10 +90,28 @@ def _cat_parts(node, user: torch.fx.Node) -> tuple[list, int] | None:
     return list(tensors), dim
 
 
+def fusable_spec(spec) -> bool:
+    """Whether the layer a ``lowbit::quantized_linear`` spec string describes can take the fused kernels
+    (a plain W8A8 format: ``int8``, ``fp8``, ``fp8_rowwise`` without outlier channels). Other layers keep
+    inductor's own GELU kernel: the op's unfused fallback would only be slower."""
+    from .compiled_linear import CompiledLinearError, parse_spec
+    from .formats import get_format
+
+    if not isinstance(spec, str):
+        return False
+    try:
+        parsed = parse_spec(spec)
+        codec = get_format(parsed.format_name)
+    except (CompiledLinearError, KeyError, ValueError, ImportError, AttributeError):
+        return False
+    return codec.may_be_plain_w8a8(parsed.values, parsed.tensor_fields)
+
+
 def match(linear: torch.fx.Node) -> tuple[torch.fx.Node | None, torch.fx.Node, str] | None:
     """``(a, b, approximate)`` when ``linear``'s input is ``gelu(b)`` (``a`` is ``None``) or
-    ``cat([a, gelu(b)], -1)``, each used by the linear alone; ``None`` otherwise."""
-    if linear.kwargs or len(linear.args) != 7:
+    ``cat([a, gelu(b)], -1)``, each used by the linear alone, and the layer's format can take the fused
+    kernels (:func:`fusable_spec`); ``None`` otherwise."""
+    if linear.kwargs or len(linear.args) != 7 or not fusable_spec(linear.args[5]):
         return None
     x = linear.args[0]
     direct = _gelu_input(x, linear)
@@ -163,4 +183,4 @@ def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         stack.extend(n for n in inputs if n.target in _GELU_TARGETS or n.target in _CAT_TARGETS)
 
 
-__all__ = ["GeluLinearFusion", "match", "supported"]
+__all__ = ["GeluLinearFusion", "fusable_spec", "match", "supported"]

@@ -97,6 +97,12 @@ class FormatCodec:
             return None
         return fn
 
+    def may_be_plain_w8a8(self, values: Mapping[str, Any], tensor_fields: tuple[str, ...]) -> bool:
+        """Whether weights of this format with these layout parameters (non-tensor ``values``, names of
+        the tensor fields) can be plain W8A8 products (:meth:`plain_w8a8`): what a compile pass asks
+        before it routes a layer to the fused activation kernels, from the layer's spec alone."""
+        return False
+
     def plain_w8a8(self, x: torch.Tensor, weight: QuantizedTensor) -> tuple[str, torch.Tensor, torch.Tensor] | None:
         """``(dispatch format, codes [N, K], weight scale)`` when a call like ``linear(x, weight)`` is a
         plain W8A8 product on LowBit's kernels: per-token INT8 or e4m3 activation codes with no

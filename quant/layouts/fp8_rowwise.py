@@ -137,6 +137,9 @@ class FP8RowwiseCodec(FormatCodec):
     def _quantize(self, weight, *, seed):
         return FP8RowwiseLayout.quantize(weight, stochastic_rounding=seed)
 
+    def may_be_plain_w8a8(self, values, tensor_fields):
+        return "outlier_index" not in tensor_fields and values.get("outlier_index") is None
+
     def plain_w8a8(self, x, weight):
         qdata, p = weight._qdata, weight._params
         if (not plain_call(x, weight) or weight._layout_cls != LAYOUT or p.outlier_index is not None

@@ -87,6 +87,9 @@ class Fp8TensorwiseCodec(KitchenKernelCodec):
     def _kitchen_linear(self, x, weight, bias, input_scale):
         return _kitchen_linear(x, weight, bias, input_scale)
 
+    def may_be_plain_w8a8(self, values, tensor_fields):
+        return True
+
     def plain_w8a8(self, x, weight):
         if self._kernel_problem(x, weight) is not None:
             return None

@@ -55,6 +55,9 @@ class Int8TensorwiseCodec(KitchenKernelCodec):
         rotation, group = ("regular", p.convrot_groupsize) if p.convrot else ("none", 0)
         return int8_linear(x, weight._qdata, p.scale, bias, out_dtype=x.dtype, rotation=rotation, group_size=group)
 
+    def may_be_plain_w8a8(self, values, tensor_fields):
+        return not self.convrot and not values.get("convrot", False)
+
     def plain_w8a8(self, x, weight):
         if self.convrot or weight._params.convrot or self._kernel_problem(x, weight) is not None:
             return None

@@ -183,6 +183,23 @@ def test_compiled_matches_eager_and_blocks_share_one_trace(quantized, flux_sd):
     assert graphs() - before == 2
 
 
+def test_plain_w8a8_mlps_take_their_gelu_input_fused(flux_sd, caplog):
+    """An int8 Flux: the single blocks' linear2(cat(attn, gelu(mlp))) and the double blocks' two MLPs are
+    rewritten to the fused op (``quant/compile_fusion.py``); the compiled output stays with eager's."""
+    model = quantize_model(load_stock(flux_sd), Policy(mode="int8"))
+    reference = run(model)
+    quant_noise = sqnr_db(run(load_stock(flux_sd)), reference)
+    compiled = compile_model(model, FULLGRAPH)
+    # inductor's caches off: a graph found there skips the pass, and so its log line
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), caplog.at_level(logging.INFO):
+        out = run(compiled)
+    assert compile_wrapper(compiled).state.failure is None
+    fused = sorted(int(r.getMessage().split()[2]) for r in caplog.records if "take their GELU input fused" in r.getMessage())
+    assert fused == [1, 2]  # a single block's linear2; a double block's img and txt MLPs
+    assert sqnr_db(reference, out) > quant_noise + 3
+
+
 @pytest.mark.parametrize("fmt", tuple(FORMATS))
 def test_every_format_traces_fullgraph_in_comfyui(fmt):
     """ComfyUI's LowBit Linear under Dynamo, every format: one graph per block class, and (aot_eager
