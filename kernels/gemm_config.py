@@ -110,10 +110,14 @@ _W8A8_SMALL = (
     C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True),
 )
 # Split-K for few rows (INT8 only: the partial sums add exactly in int32). At M = 256 an N = 3072 layer
-# has 48-96 output tiles for 132 SMs, each looping over all of K; splitting K fills the GPU (not yet
-# measured on a GPU: the dispatcher times them against the rest).
+# has 48-96 output tiles for 132 SMs, each looping over all of K; splitting K fills the GPU. Measured on
+# an H200 (session 6, the issue shapes, the dispatcher's sustained eager time, which includes the
+# workspace memset and the separate epilogue launch): at M = 256 the best split-K config took 1.0-2.2x
+# the best other config's time and won 1 key of 15 (3072 x 12288, ConvRot, a tie); at M = 1024 it took
+# 1.3-3.3x and won none. So it is offered at M <= 256 only.
 _W8A8_SPLIT_K = (C(64, 128, 128, 8, 4, 3, split_k=2), C(64, 128, 128, 8, 4, 3, split_k=4),
                  C(128, 128, 128, 8, 4, 3, split_k=4))
+_SPLIT_K_MAX_M = 256
 # The 4-bit GEMM: the packed weight tile is half the bytes, the decode wants more rows per weight tile.
 # H200 sweep (session 5, tests/gpu/sweep_w4_gemm.py, GEMM alone, weights from HBM): signed nibbles are
 # fastest as 128x128x128 swap-AB, 4 warps, 4 stages (1.42x bf16 at M = 4096, 1.14x at M = 1024), with
@@ -132,7 +136,7 @@ _W4_SMALL = (
 
 def w8a8_candidates(cap: tuple[int, int], m: int, fp8: bool = False) -> list[GemmConfig]:
     """Configs worth measuring for an INT8 (``fp8`` False) or FP8 GEMM with ``m`` rows on capability ``cap``."""
-    pool = (_W8A8_SMALL + (() if fp8 else _W8A8_SPLIT_K)) if m <= 1024 else _W8A8_LARGE
+    pool = (_W8A8_SMALL + (() if fp8 or m > _SPLIT_K_MAX_M else _W8A8_SPLIT_K)) if m <= 1024 else _W8A8_LARGE
     return [c for c in pool if c.fits(cap) and (not c.tma or cap >= (9, 0))] or [C(64, 64, 64, 8, 4, 2)]
 
 

@@ -144,6 +144,7 @@ def test_split_k_refuses_fp8_and_is_offered_for_int8_at_small_m_only():
     assert any(c.split_k > 1 for c in w8a8_candidates((9, 0), 256))
     assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 256, fp8=True))
     assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 4096))
+    assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 1024))  # measured: never won there
     with pytest.raises(ValueError, match="split_k"):
         GemmConfig(64, 64, 64, tma=True, split_k=2)
 
