@@ -57,7 +57,7 @@ from .backend import interpreting
 from .launcher import TritonLauncher
 from .reference import FP8
 from .triton_act_quant_parts import (ROTATE_IMPLS, _dot_fp16, _no_mean, _pow2_at_least, _rotate_superblocks,
-                                     _rotation_operands, _round_in, _round_to_e4m3, _rint)
+                                     _rotation_operands, _round_in, _round_to_e4m3, _rint, _row_scales)
 from .triton_act_quant_split import act_quant_split
 
 MAX_BLOCK_K = 32768  # rows wider than this use the eager reference
@@ -125,10 +125,7 @@ def _act_quant_kernel(
             w = tl.reshape(tl.permute(tl.reshape(z, (SB, 16, 16)), (0, 2, 1)), (SB * 16, 16)) * 16.0
         row_pow2 = (row_exp << 23).to(tl.float32, bitcast=True)  # 2^(e-127)
         x = tl.reshape(w, (BLOCK_M, BLOCK_K)) * (row_pow2 * rot_norm)[:, None]
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)  # reference.ABSMAX_FLOOR
-    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
-    scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
-    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    inv = _row_scales(tl.max(tl.abs(x), axis=1), qmax, scale_ptr, rows, row_ok, BLOCK_M)
     y = tl.minimum(tl.maximum(x * inv[:, None], -qmax), qmax)
     q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
     if OUT_FP8:

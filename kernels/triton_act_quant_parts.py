@@ -139,6 +139,16 @@ def _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB: tl.conste
 
 
 @triton.jit
+def _row_scales(amax, qmax, scale_ptr, rows, row_ok, BLOCK_M: tl.constexpr):
+    """Store each row's scale ``max(amax, floor) / qmax`` and return ``qmax / max(amax, floor)``, both
+    correctly rounded, as the reference computes them (``reference.ABSMAX_FLOOR``)."""
+    amax = tl.maximum(amax, 1e-30)
+    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
+    tl.store(scale_ptr + rows, tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax), mask=row_ok)
+    return inv
+
+
+@triton.jit
 def _store_codes(q_ptrs, y, mask, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
     """Store ``y`` (code units, within qmax) as FP8 or INT8 codes, ``PERM_BLOCK``-permuted for INT8.

@@ -25,7 +25,7 @@ from .backend import interpreting
 from .launcher import TritonLauncher
 from .reference import FP8
 from .triton_act_quant_parts import (ROTATE_IMPLS, _no_mean, _pow2_at_least, _rotate_superblocks, _rotation_operands,
-                                     _round_in, _store_codes)
+                                     _round_in, _row_scales, _store_codes)
 
 
 @triton.jit
@@ -84,10 +84,7 @@ def _act_quant_chunked_kernel(
                           BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, PRECISE,
                           ROUND_IN)
         amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
-    amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
-    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
-    scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
-    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    inv = _row_scales(amax, qmax, scale_ptr, rows, row_ok, BLOCK_M)
     for k0 in range(0, K, CHUNK):
         y = _chunk_values(x_rows, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, row_ok, k0 + cols, K, mean, rot_norm,
                           BLOCK_M, CHUNK, HAS_SMOOTH, CENTER, ROTATE, TWO_STAGE, ROT_IMPL, PRECISE,
@@ -189,10 +186,7 @@ def _act_quant_pieces_kernel(
     if ROTATE:
         if ROT_IMPL == 3:
             amax = amax * rot_norm  # the normalized rotation's abs-max (rounding is monotonic)
-    amax = tl.maximum(amax, 1e-30)  # reference.ABSMAX_FLOOR
-    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
-    scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
-    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    inv = _row_scales(amax, qmax, scale_ptr, rows, row_ok, BLOCK_M)
     if ROTATE:
         if ROT_IMPL == 3:
             inv = inv * rot_norm  # one multiply per element: unnormalized value times 1/sqrt(G) / scale

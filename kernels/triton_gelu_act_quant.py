@@ -27,7 +27,7 @@ from .backend import interpreting
 from .launcher import TritonLauncher
 from .reference import FP8
 from .triton_act_quant import MAX_BLOCK_K
-from .triton_act_quant_parts import _pow2_at_least, _rint, _round_to_e4m3
+from .triton_act_quant_parts import _pow2_at_least, _row_scales, _store_codes
 
 GELU_APPROXIMATIONS = {"none": 0, "tanh": 1}
 TILE_ELEMENTS = 4096  # elements a program (as the plain act-quant kernel: measured on an H200)
@@ -69,19 +69,10 @@ def _gelu_act_quant_kernel(
         x = tl.where(in_a[None, :], xa.to(tl.float32), x)
     mask = row_ok[:, None] & (cols < KA + KB)[None, :]
     x = tl.where(mask, x, 0.0)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)  # reference.ABSMAX_FLOOR
-    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32) * qmax, amax)
-    scale = tl.math.div_rn(amax, tl.full((BLOCK_M,), 1.0, tl.float32) * qmax)
-    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    inv = _row_scales(tl.max(tl.abs(x), axis=1), qmax, scale_ptr, rows, row_ok, BLOCK_M)
     y = tl.minimum(tl.maximum(x * inv[:, None], -qmax), qmax)
     q_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :]
-    if OUT_FP8:
-        if HW_FP8_CAST:
-            tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
-        else:
-            tl.store(q_ptrs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
-    else:
-        tl.store(q_ptrs, _rint(y).to(tl.int8), mask=mask)
+    _store_codes(q_ptrs, y, mask, OUT_FP8, 0, HW_FP8_CAST, BLOCK_M, BLOCK_K)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -25,6 +25,7 @@ from lowbit.kernels.w8a8_linear import torch_scaled_mm
 from lowbit.quant.compile_fusion import GeluLinearFusion, supported
 from lowbit.quant.compiled_linear import (gelu_input, op_arguments, quantized_linear, quantized_linear_gelu_op)
 from lowbit.quant.formats import FORMATS
+from test_compile_ops import QuantLinear
 
 KA, KB, N = 256, 256, 64  # multiples of every format's group (ConvRot 256)
 
@@ -62,19 +63,6 @@ def test_gelu_act_quant_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="same rows"):
         gelu_act_quant_triton(torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.bfloat16),
                               torch.int8, INT8_MAX)
-
-
-class QuantLinear(torch.nn.Module):
-    def __init__(self, fmt: str, out_features: int, in_features: int, seed: int):
-        super().__init__()
-        self.fmt = fmt
-        weight = FORMATS[fmt].quantize(randn(out_features, in_features, seed=seed) / in_features**0.5)
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.bias = torch.nn.Parameter(randn(out_features, seed=seed + 1, dtype=torch.bfloat16) * 0.1,
-                                       requires_grad=False)
-
-    def forward(self, x):
-        return quantized_linear(self.fmt, x, self.weight, self.bias)
 
 
 def _gelu_op_args(fmt: str, layer: QuantLinear, a, b, approximate="tanh"):
@@ -175,17 +163,19 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def _compiled_and_eager(model: torch.nn.Module, x: torch.Tensor):
+    """(the pass, compiled output, eager output): ``model`` compiled by inductor with the pass."""
+    fusion = GeluLinearFusion()
+    compiled = torch.compile(model, backend="inductor", fullgraph=True, options={"pre_grad_custom_pass": fusion})
+    with torch.no_grad():
+        return fusion, compiled(x), model(x)
+
+
 @pytest.mark.skipif(not supported(), reason="this torch's inductor has no pre_grad_custom_pass")
 @pytest.mark.parametrize("fmt", ("int8", "fp8", "fp8_rowwise", "int8_convrot", "w4a8"))
 def test_pass_fuses_the_mlp_and_single_block_patterns_and_matches_eager(fmt, fresh_dynamo):
     """Plain W8A8 formats are rewritten (both patterns); rotated and 4-bit ones are left to inductor."""
-    model = Block(fmt)
-    fusion = GeluLinearFusion()
-    compiled = torch.compile(model, backend="inductor", fullgraph=True, options={"pre_grad_custom_pass": fusion})
-    x = randn(2, 12, 256, seed=51, dtype=torch.bfloat16)
-    with torch.no_grad():
-        out = compiled(x)
-        expected = model(x)
+    fusion, out, expected = _compiled_and_eager(Block(fmt), randn(2, 12, 256, seed=51, dtype=torch.bfloat16))
     plain = fmt in ("int8", "fp8", "fp8_rowwise")
     assert fusion.fused == (2 if plain else 0)
     if plain:  # the op's body is the eager linear of the same bf16 input
@@ -196,13 +186,7 @@ def test_pass_fuses_the_mlp_and_single_block_patterns_and_matches_eager(fmt, fre
 
 @pytest.mark.skipif(not supported(), reason="this torch's inductor has no pre_grad_custom_pass")
 def test_pass_leaves_near_misses_alone(fresh_dynamo):
-    model = Unfusable("int8")
-    fusion = GeluLinearFusion()
-    compiled = torch.compile(model, backend="inductor", fullgraph=True, options={"pre_grad_custom_pass": fusion})
-    x = randn(2, 12, 64, seed=61, dtype=torch.bfloat16)
-    with torch.no_grad():
-        out = compiled(x)
-        expected = model(x)
+    fusion, out, expected = _compiled_and_eager(Unfusable("int8"), randn(2, 12, 64, seed=61, dtype=torch.bfloat16))
     assert fusion.fused == 0
     # inductor's own GELU / SiLU / adds keep fp32 between them: close to eager, not equal
     torch.testing.assert_close(out, expected, rtol=0.05, atol=0.05)
