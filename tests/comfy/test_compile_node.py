@@ -124,7 +124,14 @@ def test_settings_validate():
         CompileSettings(backend="aot_eager", mode="max-autotune")
     with pytest.raises(ValueError, match="recompile_limit"):
         CompileSettings(recompile_limit=0)
+    with pytest.raises(ValueError, match="fuse_gelu must be true or false"):
+        CompileSettings(fuse_gelu="yes")
     assert CompileSettings.from_dict(FULLGRAPH.to_dict()) == FULLGRAPH
+    unfused = CompileSettings(fuse_gelu=False)
+    assert CompileSettings.from_dict(unfused.to_dict()) == unfused and unfused.compile_key() != FULLGRAPH.compile_key()
+    # a settings dict written before fuse_gelu existed still loads (fused: the default)
+    old = {k: v for k, v in FULLGRAPH.to_dict().items() if k != "fuse_gelu"}
+    assert CompileSettings.from_dict(old) == FULLGRAPH
 
 
 def test_schema_inputs_all_have_tooltips():
