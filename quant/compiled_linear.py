@@ -277,14 +277,14 @@ def _quantized_linear_gelu_impl(a: torch.Tensor | None, b: torch.Tensor, qdata: 
 
 def _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate) -> torch.Tensor | None:
     """The GELU fused into the activation quantization, where the weight is a plain W8A8 one and the
-    dispatcher settled on our Triton GEMM for the unfused call (``None`` otherwise)."""
+    dispatcher settled the unfused call on a GEMM that takes our codes (``None`` otherwise)."""
     from ..kernels.w8a8_linear import w8a8_gelu_linear
     from .formats import get_format
 
-    parsed = parse_spec(spec)
-    weight = rebuild_weight(qdata, list(param_tensors), parsed, dtype=b.dtype)
     if a is not None and (a.shape[:-1] != b.shape[:-1] or a.dtype != b.dtype):
         return None
+    parsed = parse_spec(spec)
+    weight = rebuild_weight(qdata, list(param_tensors), parsed, dtype=b.dtype)
     features = b.shape[-1] + (0 if a is None else a.shape[-1])
     plain = get_format(parsed.format_name).plain_w8a8(b.new_empty((0, features)), weight)  # no data: the checks
     if plain is None:
