@@ -19,8 +19,10 @@ from comfy_helpers import comfyui_path, require_comfy, run_flux, sqnr_db
 
 require_comfy()
 
+import comfy.model_management  # noqa: E402
 import folder_paths  # noqa: E402
 
+from lowbit.kernels.fp8_gemm import dequantize_fp8_rowwise  # noqa: E402
 from lowbit.nodes.calibrate import LowBitApplyPolicy, LowBitCalibratePolicy  # noqa: E402
 from lowbit.nodes.loader import LoadSettings, load_lowbit_diffusion_model  # noqa: E402
 from lowbit.nodes.model_quant import native_state_dict, quantize_model, quantized_layers  # noqa: E402
@@ -95,7 +97,10 @@ def test_saved_file_reloads_with_the_same_outlier_layers_and_output(calibrated, 
         assert torch.equal(qt._params.outlier_index.cpu(), before[name]._params.outlier_index.cpu())
         assert torch.equal(qt._qdata.cpu().view(torch.uint8), before[name]._qdata.cpu().view(torch.uint8))
         assert torch.equal(qt._params.scale.cpu(), before[name]._params.scale.cpu())
-    # each outlier layer's own output, and the whole model's
+    # each outlier layer's own output, and the whole model's, with both models where ComfyUI runs them
+    # (the loader leaves the reloaded one on its offload device; a CPU and a GPU kernel differ in the
+    # last bit)
+    comfy.model_management.load_models_gpu([model, reloaded])
     dm, dm_again = model.model.diffusion_model, reloaded.model.diffusion_model
     name = sorted(again)[0]
     x = torch.randn(7, again[name].shape[1], generator=torch.Generator().manual_seed(1), dtype=torch.float32)
@@ -216,7 +221,10 @@ def test_a_stock_weight_patch_keeps_the_outlier_channels(calibrated, seed):
     assert sqnr_db(target, patched.dequantize().float()) > 25
     if seed == 0:  # rounded to nearest: the indexed channels carry a second e4m3 term, the others do not
         index = qt._params.outlier_index.long()
-        err = (patched.dequantize().float() - target).pow(2)
+        # the fp32 weight the GEMM multiplies: dequantize() rounds to the model's dtype (bf16 on a GPU),
+        # whose own error would hide the second term's
+        p = patched._params
+        err = (dequantize_fp8_rowwise(patched._qdata, p.scale, p.outlier_index) - target).pow(2)
         others = torch.ones(target.shape[1], dtype=torch.bool, device=target.device)
         others[index] = False
         indexed_rel = err[:, index].sum() / target[:, index].pow(2).sum()
