@@ -170,7 +170,7 @@ def calibrate_model(model_patcher, config: CalibrationConfig, *, preset: str = A
     """Calibrate ``model_patcher`` (see the module docstring); the model itself is not changed.
 
     ``objective``: ``model_output`` replays the recorded denoiser calls once per layer and candidate
-    with only that layer quantized, and minimises the summed model-output errors; ``layer_output``
+    with only that layer quantized, and minimises the sum of the squared model-output errors; ``layer_output``
     skips the replays and minimises the layers' own errors (faster, blind to how far a layer's
     error travels). ``config.pre_quant_formats`` is replaced by what this ComfyUI applies
     (:func:`pre_quant_formats`).
@@ -380,7 +380,7 @@ class LowBitCalibratePolicy(io.ComfyNode):
                                "to nvfp4 only). measure: report the gain only. off: skip it (faster)."),
                 io.Combo.Input("objective", options=list(OBJECTIVES), default="model_output", optional=True,
                                tooltip="model_output: replay the recorded steps once per layer and candidate with only "
-                               "that layer quantized, and minimise the summed model-output error (slower, measures how "
+                               "that layer quantized, and minimise the sum of squared model-output errors (slower, measures how "
                                "far each layer's error travels). layer_output: minimise the layers' own errors."),
                 io.Int.Input("resolution", default=DEFAULT_RESOLUTION, min=64, max=4096, step=64, optional=True,
                              advanced=True, tooltip="Side in pixels of the calibration latent when none is connected."),

@@ -1,7 +1,10 @@
 """Pick one format per layer so the model fits a byte budget at the least total measured error.
 
 A multiple-choice knapsack: every layer takes exactly one of its measured options (format, bytes,
-error); the chosen bytes must sum to at most the budget; the sum of the errors is minimised.
+error); the chosen bytes must sum to at most the budget; the sum of the *squared* errors is
+minimised. Each error is a relative RMS error measured with that layer alone quantized; independent
+quantization noises add in power, so the squared sum predicts the whole model's squared error (a
+plain sum would undervalue fixing one large error against several small ones).
 :func:`choose_formats` solves it by dynamic programming over the bytes above the smallest choice
 (``resolution`` buckets, costs rounded up, so the budget always holds), then spends what rounding
 left over on the best remaining single-layer upgrades. Ties go to fewer bytes, then to format
@@ -87,7 +90,8 @@ class Budget:
 
 def choose_formats(errors: Mapping[str, Mapping[str, float]], sizes: Mapping[str, Mapping[str, int]],
                    budget_bytes: int, *, resolution: int = DEFAULT_RESOLUTION) -> dict[str, str]:
-    """``{layer: format}`` with ``sum(bytes) <= budget_bytes`` and the least ``sum(error)`` (see the module docstring).
+    """``{layer: format}`` with ``sum(bytes) <= budget_bytes`` and the least ``sum(error ** 2)`` (see the module
+    docstring).
 
     ``errors`` and ``sizes`` map each layer to ``{format: value}`` over the same formats. Raises
     :class:`PolicyError` when even the smallest choice of every layer exceeds the budget.
@@ -98,7 +102,7 @@ def choose_formats(errors: Mapping[str, Mapping[str, float]], sizes: Mapping[str
         if set(errors[name]) != set(sizes.get(name, {})) or not errors[name]:
             raise PolicyError(f"layer {name!r}: errors and sizes must cover the same, non-empty set of formats; "
                               f"got errors for {sorted(errors[name])} and sizes for {sorted(sizes.get(name, {}))}")
-        options[name] = _pareto(sorted((int(sizes[name][f]), float(errors[name][f]), f) for f in errors[name]))
+        options[name] = _pareto(sorted((int(sizes[name][f]), float(errors[name][f]) ** 2, f) for f in errors[name]))
     smallest = sum(opts[0][0] for opts in options.values())
     if smallest > budget_bytes:
         raise PolicyError(

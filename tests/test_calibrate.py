@@ -89,13 +89,13 @@ def _brute_force(errors, sizes, budget):
     for combo in itertools.product(*(sorted(errors[n]) for n in names)):
         size = sum(sizes[n][f] for n, f in zip(names, combo))
         if size <= budget:
-            error = sum(errors[n][f] for n, f in zip(names, combo))
+            error = sum(errors[n][f] ** 2 for n, f in zip(names, combo))
             best = error if best is None or error < best else best
     return best
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_choice_meets_the_budget_at_the_least_total_error(seed):
+def test_choice_meets_the_budget_at_the_least_total_squared_error(seed):
     rng = random.Random(seed)
     errors, sizes = _instance(rng, layers=6)
     low = sum(min(s.values()) for s in sizes.values())
@@ -103,9 +103,23 @@ def test_choice_meets_the_budget_at_the_least_total_error(seed):
     for budget in (low, (2 * low + high) // 3, (low + high) // 2, high - 100, high):
         chosen = choose_formats(errors, sizes, budget)
         used = sum(sizes[n][f] for n, f in chosen.items())
-        error = sum(errors[n][f] for n, f in chosen.items())
+        error = sum(errors[n][f] ** 2 for n, f in chosen.items())
         assert used <= budget
         assert error == pytest.approx(_brute_force(errors, sizes, budget), rel=1e-12), (seed, budget)
+
+
+def test_choice_fixes_one_large_error_before_several_small_ones():
+    """Layer errors add in power: upgrading the layer at 12% beats upgrading two at 6.7% for the same
+    bytes (predicted model error 9.6% against 12.5%), though the plain sum of errors says otherwise."""
+    errors = {"mod": {"w4": 0.12, "w8": 0.014}, "qkv": {"w4": 0.067, "w8": 0.007}, "mlp": {"w4": 0.067, "w8": 0.007}}
+    sizes = {"mod": {"w4": 200, "w8": 400}, "qkv": {"w4": 100, "w8": 200}, "mlp": {"w4": 100, "w8": 200}}
+    chosen = choose_formats(errors, sizes, 600)
+    assert chosen == {"mod": "w8", "qkv": "w4", "mlp": "w4"}
+
+    def predicted(choice):
+        return sum(errors[n][f] ** 2 for n, f in choice.items()) ** 0.5
+
+    assert predicted(chosen) < predicted({"mod": "w4", "qkv": "w8", "mlp": "w8"})
 
 
 def test_choice_is_deterministic_and_prefers_fewer_bytes_on_ties():
