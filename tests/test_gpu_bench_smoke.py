@@ -132,3 +132,17 @@ def test_calibration_against_int4_mixed(runs):
     # recorded by name only, next to the report (no machine path in a measurement record)
     policy, calibration = load_policy_file(runs["calibrate"][3].parent / report["calibration"]["policy_file"])
     assert calibration is not None and len(policy.layer_format_map) == report["calibration"]["layers"]
+
+
+def test_profile_groups_cublas_nvjet_kernels_as_gemm(monkeypatch):
+    """``profile_flux_step`` files each CUDA kernel under a category; cuBLAS's Hopper GEMMs are named
+    ``nvjet_sm90_*`` (bf16 ``F.linear`` and FP8 ``_scaled_mm``) and must count as GEMM time."""
+    monkeypatch.syspath_prepend(str(GPU_DIR))
+    from profile_flux_step import category
+
+    assert category("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN") == "gemm"
+    assert category("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_bias_TNT") == "gemm"
+    assert category("_w8a8_mm_persistent_kernel") == "gemm"
+    assert category("_act_quant_pieces_kernel") == "act_quant"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x") == "attention"
+    assert category("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>") == "other"

@@ -32,7 +32,8 @@ log = logging.getLogger("profile_flux_step")
 CATEGORIES = (
     ("act_quant", re.compile(r"act_quant", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
-    ("gemm", re.compile(r"gemm|_mm_|w8a8|w4a8|w4_|matmul|sm90_xmma|cutlass|int8_mm|scaled_mm|cublas", re.I)),
+    # cuBLAS 12.x/13.x names its Hopper GEMMs "nvjet_sm90_..." (bf16 F.linear, FP8 _scaled_mm)
+    ("gemm", re.compile(r"gemm|_mm_|w8a8|w4a8|w4_|matmul|sm90_xmma|cutlass|int8_mm|scaled_mm|cublas|nvjet", re.I)),
 )
 
 
