@@ -37,11 +37,13 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 RESOLUTION = 128  # a 16x16 latent, as the other tiny-Flux tests use
 #: calibrated policies on the tiny Flux keep the denoiser output above these SQNRs (measured on the
-#: CPU: 16.4 dB for w4a4 + int8_convrot at ratio 0.3 with the model-output objective, where structural
+#: CPU: 15.9 dB for w4a4 + int8_convrot at ratio 0.3 with the model-output objective, where structural
 #: int4_mixed gives 14.7 dB and all-w4a4 11.2 dB; 13.0 dB for fp8 + w4a4 at ratio 0.5 with the
 #: layer-output objective, which these input-scale tests use because it is fast)
 MIN_SQNR_DB = {"int4": 15.0, "fp8": 12.0}
-#: calibrated (model-output objective) minus structural int4_mixed at the same bytes: measured +2.1 dB
+#: calibrated (model-output objective) minus structural int4_mixed at the same bytes: measured +1.25 dB
+#: on the CPU (15.91 against 14.66). On an H200, where w4a4 layers quantize activations to 8 bits, the
+#: same test gave 17.47 against 18.62 dB (-1.15): not met there (docs/calibration.md, "Measured")
 MIN_GAIN_DB = 1.0
 
 
