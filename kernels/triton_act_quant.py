@@ -55,7 +55,6 @@ import triton.language as tl
 
 from .backend import interpreting
 from .launcher import TritonLauncher
-from .pdl import gdc_launch_dependents, pdl_enabled
 from .reference import FP8
 from .triton_act_quant_parts import (ROTATE_IMPLS, _dot_fp16, _no_mean, _pow2_at_least, _rotate_superblocks,
                                      _rotation_operands, _round_in, _round_to_e4m3, _rint, _row_scales)
@@ -88,10 +87,7 @@ def _act_quant_kernel(
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr,
     OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # a GEMM launched after this kernel may start now (kernels/pdl.py)
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
@@ -266,8 +262,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
              ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
-             R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting(),
-             PDL=pdl_enabled(x.device)),
+             R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting()),
         **(dict(num_warps=num_warps) if max_registers is None else dict(num_warps=num_warps, maxnreg=max_registers)),
     )
     return q, scale, mean

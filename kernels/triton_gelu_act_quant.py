@@ -25,7 +25,6 @@ import triton.language as tl
 
 from .backend import interpreting
 from .launcher import TritonLauncher
-from .pdl import gdc_launch_dependents, pdl_enabled
 from .reference import FP8
 from .triton_act_quant import MAX_BLOCK_K
 from .triton_act_quant_parts import _pow2_at_least, _row_scales, _store_codes
@@ -46,10 +45,8 @@ def _gelu(x, APPROX: tl.constexpr):
 def _gelu_act_quant_kernel(
     a_ptr, b_ptr, q_ptr, scale_ptr, M, KA, KB, stride_am, stride_bm, stride_qm, qmax,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_A: tl.constexpr, APPROX: tl.constexpr,
-    OUT_FP8: tl.constexpr, HW_FP8_CAST: tl.constexpr, ROUND_BF16: tl.constexpr, PDL: tl.constexpr,
+    OUT_FP8: tl.constexpr, HW_FP8_CAST: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    if PDL:  # a GEMM launched after this kernel may start now (kernels/pdl.py)
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
@@ -127,7 +124,7 @@ def gelu_act_quant_triton(a: torch.Tensor | None, b: torch.Tensor, out_dtype: to
          float(qmax)),
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_A=a is not None, APPROX=GELU_APPROXIMATIONS[approximate],
              OUT_FP8=out_dtype == FP8, HW_FP8_CAST=b.is_cuda and not interpreting(),
-             ROUND_BF16=b.dtype == torch.bfloat16, PDL=pdl_enabled(b.device)),
+             ROUND_BF16=b.dtype == torch.bfloat16),
         num_warps=num_warps,
     )
     return q, scale

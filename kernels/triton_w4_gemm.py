@@ -47,7 +47,6 @@ import triton.language as tl
 from .backend import capability, interpreting
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
-from .pdl import gdc_wait, pdl_enabled, pdl_options
 from .triton_w8a8_gemm import _sm_count
 
 
@@ -173,14 +172,12 @@ def _w4a8_mm_kernel(
     CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
     SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
     PERSISTENT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One output tile a program, or (``PERSISTENT``) a grid of at most one program per SM walking the
     tiles in the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the
     next tile's loads. (The stride is ``tl.num_programs``, not a constexpr: a grid smaller than the SM
-    count, for a small output, needs no compile of its own.) ``PDL``: see ``kernels/pdl.py``."""
-    if PDL:  # the activation codes and scales come from the kernel before
-        gdc_wait()
+    count, for a small output, needs no compile of its own.)"""
     if PERSISTENT:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -240,28 +237,26 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_w else packed
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
-    pdl = pdl_enabled(a.device)
     _LAUNCHER.launch(
         (programs,),
         (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
          s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
          m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0)),
         kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
-                          use_ptx=_use_ptx(a), tma_a=tma_a, tma_w=tma_w, tma_store=tma_store, pdl=pdl),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(pdl),
+                          use_ptx=_use_ptx(a), tma_a=tma_a, tma_w=tma_w, tma_store=tma_store),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
-                      tma_a: bool, tma_w: bool, tma_store: bool, pdl: bool = False) -> dict:
+                      tma_a: bool, tma_w: bool, tma_store: bool) -> dict:
     """The constexpr arguments of :func:`_w4a8_mm_kernel`, in parameter order, for one variant
     (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
                 SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
                 SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                PDL=pdl)
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
 
 
 _LAUNCHER = TritonLauncher(_w4a8_mm_kernel)

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
-from .pdl import gdc_wait, pdl_enabled, pdl_options
 
 
 @functools.lru_cache(maxsize=8)
@@ -110,7 +109,7 @@ def _w8a8_mm_kernel(
     M, N, K, stride_am, stride_bn, stride_cm,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,8 +123,6 @@ def _w8a8_mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PDL:  # the codes and scales come from the kernel before (kernels/pdl.py)
-        gdc_wait()
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -203,7 +200,7 @@ def _w8a8_mm_tma_kernel(
     M, N, K, stride_cm,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """sm_90 variant: operand tiles arrive by TMA (the bulk tensor copy engine); out-of-range rows
     and a ragged K are zero-filled by the copy engine, so no masks at all."""
@@ -214,8 +211,6 @@ def _w8a8_mm_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PDL:
-        gdc_wait()
     for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
         a = a_desc.load([off_m, k * BLOCK_K])
         b = b_desc.load([off_n, k * BLOCK_K])
@@ -233,7 +228,7 @@ def _w8a8_mm_persistent_kernel(
     M, N, K, stride_cm,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """sm_90 persistent variant: one program per SM walks the output tiles; with ``flatten`` the
     pipeliner overlaps a tile's epilogue with the next tile's TMA loads."""
@@ -241,8 +236,6 @@ def _w8a8_mm_persistent_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_group = GROUP_M * num_pid_n
-    if PDL:
-        gdc_wait()
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
         group = tile // per_group
         first_m = group * GROUP_M
@@ -283,12 +276,9 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
             col_shift if col_shift is not None else a_scale, m, n, k)
     flags = dict(B_SCALE_PER_N=b_scale.numel() != 1, HAS_BIAS=bias is not None, HAS_SHIFT=row_shift is not None,
                  ACC_INT32=a.dtype == torch.int8)
-    pdl = pdl_enabled(a.device)
-    tiles_flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                       PDL=pdl)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(pdl))
-    if config.split_k > 1:  # not launched with PDL: its first launch follows the workspace's zeroing
-        options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    tiles_flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.split_k > 1:
         _split_k(a, b, out, a_scale, b_scale, args, flags, config, options)
     elif config.tma:
         a_desc = tma_descriptor(a, (config.block_m, config.block_k))
