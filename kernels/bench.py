@@ -297,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"rows": rows, "summary": lines, "sweep": sweep_lines,
                                                "overhead": overhead_lines,
                                                "decisions": dispatcher.decisions,
-                                               "timings_us": dispatcher.timings_us, "failures": dispatcher.failures},
+                                               "timings_us": dispatcher.timings_us,
+                                               "gpu_timings_us": dispatcher.gpu_timings_us,
+                                               "failures": dispatcher.failures},
                                               indent=1, default=str))
     return 1 if args.verify and failures else 0
 

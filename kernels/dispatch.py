@@ -4,7 +4,8 @@ A linear call offers its candidates – our Triton kernels (one per tile config)
 op, ``torch._int_mm``/``torch._scaled_mm``, dequantize + float matmul, the eager reference – as
 named zero-argument callables. The first time a key is seen on a CUDA device every candidate is
 timed on the call's real inputs (CUDA events, median of a few runs) and the winner is remembered;
-decisions are written to a JSON file whose path the caller passes in (the ComfyUI node layer
+candidates within ``Dispatcher.tie`` of the fastest are then told apart by their GPU time alone
+(below); decisions are written to a JSON file whose path the caller passes in (the ComfyUI node layer
 passes ComfyUI's user directory), so later runs start with them. Candidates that fail record their
 error instead of breaking the call.
 
@@ -21,6 +22,14 @@ identical call runs it through :func:`run_fast` without building candidate lists
 outside ``torch.compile`` tracing, and are dropped whenever the dispatcher changes a decision (code
 that edits ``decisions`` by hand calls :meth:`Dispatcher.forget_fast_plans`).
 
+Two timings. The *sustained* time is a few calls back to back behind a short GPU sleep, as a
+model's forward pass queues them: where the CPU's launch cost exceeds the GPU time (few rows, in
+eager mode) it is what the call costs, and every Triton config then costs about the same. The *GPU*
+time is the same calls queued entirely behind a sleep that outlasts their launches: what a CUDA
+graph (``torch.compile``'s ``reduce-overhead``) or a CPU that runs ahead pays. Among the candidates
+whose sustained time is within ``tie`` (15 %) of the fastest, the one with the least GPU time wins,
+so a host-bound tie is never settled by noise in favour of a config that leaves SMs idle.
+
 A candidate that fails because the GPU cannot run its configuration at all (Triton's
 ``OutOfResources``: too much shared memory) is recorded per GPU capability in ``broken`` (and the
 JSON cache), and is not offered again on that GPU for any shape.
@@ -36,6 +45,7 @@ import os
 import statistics
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -97,8 +107,10 @@ class Dispatcher:
     measure: bool = True
     warmup: int = 2
     repeats: int = 5
+    tie: float = 0.15  # sustained times within this share of the fastest: the least GPU time wins
     decisions: dict[str, str] = field(default_factory=dict)
     timings_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    gpu_timings_us: dict[str, dict[str, float]] = field(default_factory=dict)  # the tied candidates only
     failures: dict[str, dict[str, str]] = field(default_factory=dict)
     # "sm90" -> {"int8 triton:<config>": error}: what this GPU can never run (not offered again)
     broken: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -136,6 +148,7 @@ class Dispatcher:
             return
         self.decisions.update({str(k): str(v) for k, v in data.get("decisions", {}).items()})
         self.timings_us.update(data.get("timings_us", {}))
+        self.gpu_timings_us.update(data.get("gpu_timings_us", {}))  # absent in files written before it existed
         for cap, entries in data.get("broken", {}).items():  # absent in files written before it existed
             if isinstance(entries, dict):
                 self.broken.setdefault(str(cap), {}).update({str(k): str(v) for k, v in entries.items()})
@@ -146,7 +159,7 @@ class Dispatcher:
         if self.cache_path is None:
             return
         data = {"version": CACHE_VERSION, "decisions": self.decisions, "timings_us": self.timings_us,
-                "broken": self.broken}
+                "gpu_timings_us": self.gpu_timings_us, "broken": self.broken}
         path = Path(self.cache_path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,6 +196,17 @@ class Dispatcher:
             if not timings:
                 raise BackendUnavailableError(f"every implementation failed for {text}: {failures}")
             best = min(timings, key=timings.get)
+            tied = [name for name in timings if timings[name] <= timings[best] * (1.0 + self.tie)]
+            if len(tied) > 1:
+                gpu = {}
+                for name in tied:
+                    try:
+                        gpu[name] = _gpu_time_us(candidates[name], self.repeats)
+                    except Exception as err:  # it ran above: keep its sustained time, skip the tie-break
+                        log.info("LowBit kernel candidate %s: no GPU time for %s (%s)", name, text, err)
+                if gpu:
+                    best = min(gpu, key=gpu.get)
+                    self.gpu_timings_us[text] = {k: round(v, 2) for k, v in gpu.items()}
             if text in self.decisions:  # a changed decision: plans built on the old one must go
                 self.forget_fast_plans()
             self.decisions[text] = best
@@ -217,6 +241,35 @@ def _time_us(fn: Callable[[], torch.Tensor], warmup: int, repeats: int) -> float
         end = torch.cuda.Event(enable_timing=True)
         if sleep is not None:
             sleep(200_000)  # ~0.1 ms of GPU time for the CPU to get ahead
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        batches.append(start.elapsed_time(end) * 1000.0 / repeats)
+    value = statistics.median(batches)
+    if not math.isfinite(value):
+        raise RuntimeError("non-finite timing")
+    return value
+
+
+def _gpu_time_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
+    """GPU time per call: ``repeats`` calls queued entirely behind a GPU sleep that outlasts their
+    launch cost (measured first), so none of the CPU's time shows. Median of three batches."""
+    torch.cuda.synchronize()
+    start_host = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    host_us = (time.perf_counter() - start_host) * 1e6
+    torch.cuda.synchronize()
+    sleep = getattr(torch.cuda, "_sleep", None)
+    cycles = int(min(max(200_000, 4_000 * 2 * host_us), 2e8))  # twice the launch time at up to 4 GHz, <= ~0.1 s
+    batches = []
+    for _ in range(3):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        if sleep is not None:
+            sleep(cycles)
         start.record()
         for _ in range(repeats):
             fn()

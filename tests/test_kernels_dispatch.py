@@ -49,6 +49,45 @@ def _measuring(monkeypatch, timings):
     return d
 
 
+def _gpu_timing(monkeypatch, gpu):
+    """Fixed GPU-only timings (µs) per candidate name; returns the names that were GPU-timed."""
+    asked = []
+
+    def fake_gpu_time(fn, repeats):
+        name = fn()
+        asked.append(name)
+        if name not in gpu:
+            raise RuntimeError("no GPU time")
+        return gpu[name]
+    monkeypatch.setattr(dispatch, "_gpu_time_us", fake_gpu_time)
+    return asked
+
+
+def test_a_sustained_tie_goes_to_the_least_gpu_time(monkeypatch, tmp_path):
+    """Host-bound calls time alike; among those within 5 % of the fastest, the GPU time decides."""
+    d = _measuring(monkeypatch, {"a": 30.0, "b": 31.0, "c": 40.0})
+    asked = _gpu_timing(monkeypatch, {"a": 19.0, "b": 10.0, "c": 5.0})
+    d.cache_path = tmp_path / "dispatch.json"
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in "abc"}, torch.device("cpu")) == "b"
+    assert sorted(asked) == ["a", "b"]  # c is 33 % slower sustained: not a tie, never GPU-timed
+    data = json.loads(d.cache_path.read_text())
+    assert data["gpu_timings_us"] == {KEY.as_str(): {"a": 19.0, "b": 10.0}}
+    assert Dispatcher(cache_path=d.cache_path).gpu_timings_us == data["gpu_timings_us"]
+
+
+def test_no_tie_no_gpu_timing_and_a_failed_gpu_timing_keeps_the_sustained_choice(monkeypatch):
+    d = _measuring(monkeypatch, {"a": 30.0, "b": 10.0})
+    asked = _gpu_timing(monkeypatch, {"a": 1.0, "b": 50.0})
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in "ab"}, torch.device("cpu")) == "b" and asked == []
+    d = _measuring(monkeypatch, {"a": 10.2, "b": 10.0})
+    asked = _gpu_timing(monkeypatch, {"a": 3.0})  # b cannot be GPU-timed: a is the only GPU time
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in "ab"}, torch.device("cpu")) == "a"
+    d = _measuring(monkeypatch, {"a": 10.2, "b": 10.0})
+    _gpu_timing(monkeypatch, {})  # no GPU time at all: the sustained choice stands
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in "ab"}, torch.device("cpu")) == "b"
+    assert KEY.as_str() not in d.gpu_timings_us
+
+
 def test_choose_measures_and_remembers(monkeypatch, tmp_path):
     d = _measuring(monkeypatch, {"a": 30.0, "b": 10.0, "c": 20.0})
     d.cache_path = tmp_path / "sub" / "dispatch.json"
