@@ -117,6 +117,8 @@ class Dispatcher:
     fast: bool = True  # register steady-state plans (off: every call takes the full path; for comparisons)
     fast_plans: dict[tuple, Callable] = field(default_factory=dict, repr=False)
     fast_hits: int = field(default=0, repr=False)
+    # (key, implementation) of the last call that took the full path of run() (the Kernel Tuner node reads it)
+    last_choice: tuple[str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self._lock = threading.Lock()
@@ -225,6 +227,11 @@ class Dispatcher:
             return False
         compiler = getattr(torch, "compiler", None)
         return not (compiler is not None and compiler.is_compiling())
+
+
+def sustained_time_us(fn: Callable[[], torch.Tensor], warmup: int = 2, repeats: int = 5) -> float:
+    """The dispatcher's sustained time per call of ``fn`` on a CUDA device (see the module docstring)."""
+    return _time_us(fn, warmup, repeats)
 
 
 def _time_us(fn: Callable[[], torch.Tensor], warmup: int, repeats: int) -> float:
@@ -356,6 +363,7 @@ def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
                 dispatcher.forget_fast_plans()
             else:
                 _register_fast(dispatcher, key, x2d.device, fast_key, make_fast, cached)
+                dispatcher.last_choice = (key.as_str(), cached)
                 return out
     available = names()
     if forced is not Backend.AUTO:
@@ -369,6 +377,7 @@ def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
     name = dispatcher.choose(key, {name: make(name) for name in available}, x2d.device)
     out = make(name)()
     _register_fast(dispatcher, key, x2d.device, fast_key, make_fast, name)
+    dispatcher.last_choice = (key.as_str(), name)
     return out
 
 

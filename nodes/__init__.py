@@ -25,6 +25,7 @@ NODE_MODULES: dict[str, tuple[str, ...]] = {
     "compile": ("LowBitCompileQuantizedModel",),
     "calibrate": ("LowBitCalibratePolicy", "LowBitApplyPolicy"),
     "attention": ("LowBitAttentionBackend",),
+    "kernel_tuner": ("LowBitKernelTuner",),
 }
 
 
