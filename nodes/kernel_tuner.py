@@ -9,8 +9,9 @@ layers and every token count asked for:
 
 * it runs one layer of that shape, LowBit's own forward, on a random input of M rows, so the
   dispatcher measures and records the choice (``remeasure``: the choice on record is dropped first);
-* on a CUDA device it then times that layer (sustained calls, as a forward pass issues them) and
-  bf16 ``F.linear`` with the same weight shape, and shows a table with the choice and the ratio.
+* on a CUDA device it then times that layer and bf16 ``F.linear`` of the same shape, in GPU time
+  (the calls queued ahead, so the CPU's launch cost, which a CUDA graph or a busy GPU hides, does
+  not count), and shows a table with the choice and the ratio.
 
 Token counts are rows of the activation. For Flux- and SD3-class models an image has
 ``(width / 16) * (height / 16)`` image tokens (1024² → 4096) and the text stream adds its own
@@ -45,7 +46,7 @@ class TuneRow:
     m: int
     key: str | None  # the dispatcher's key (None: the call did not go through the dispatcher)
     choice: str | None
-    ours_us: float | None = None  # sustained µs per call on CUDA (None on the CPU)
+    ours_us: float | None = None  # GPU µs per call on CUDA (None on the CPU)
     bf16_us: float | None = None
 
     @property
@@ -84,7 +85,7 @@ def tune(model_patcher, tokens: list[int], *, remeasure: bool = False, progress=
     """Run each (format, N, K) group's first layer at each token count (see the module docstring)."""
     import comfy.model_management
 
-    from ..kernels.dispatch import current_dispatcher, m_bucket, sustained_time_us
+    from ..kernels.dispatch import current_dispatcher, gpu_time_us, m_bucket
     from .model_quant import diffusion_model_of
 
     groups = layer_groups(model_patcher)
@@ -113,10 +114,10 @@ def tune(model_patcher, tokens: list[int], *, remeasure: bool = False, progress=
                 key, choice = dispatcher.last_choice or (None, None)
                 ours = bf16 = None
                 if device.type == "cuda":
-                    ours = sustained_time_us(lambda: module(x))
+                    ours = gpu_time_us(lambda: module(x))
                     w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
                     bias = torch.zeros(n, device=device, dtype=dtype) if module.bias is not None else None
-                    bf16 = sustained_time_us(lambda: torch.nn.functional.linear(x, w, bias))
+                    bf16 = gpu_time_us(lambda: torch.nn.functional.linear(x, w, bias))
                     del w, bias
             rows.append(TuneRow(fmt, n, k, count, m, key, choice, ours, bf16))
             done += 1
@@ -135,7 +136,7 @@ def format_table(rows: list[TuneRow], device: str, cache_path: str | None) -> st
     head = "| format | N x K | layers | tokens (bucket) | implementation |"
     rule = "|---|---|---:|---|---|"
     if measured:
-        head += " LowBit µs | bf16 µs | x bf16 |"
+        head += " LowBit GPU µs | bf16 GPU µs | x bf16 |"
         rule += "---:|---:|---:|"
     lines += [head, rule]
     from ..kernels.dispatch import m_bucket
