@@ -244,23 +244,7 @@ def _time_us(fn: Callable[[], torch.Tensor], warmup: int, repeats: int) -> float
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    sleep = getattr(torch.cuda, "_sleep", None)
-    batches = []
-    for _ in range(3):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        if sleep is not None:
-            sleep(200_000)  # ~0.1 ms of GPU time for the CPU to get ahead
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        batches.append(start.elapsed_time(end) * 1000.0 / repeats)
-    value = statistics.median(batches)
-    if not math.isfinite(value):
-        raise RuntimeError("non-finite timing")
-    return value
+    return _median_batch_us(fn, repeats, 200_000)  # ~0.1 ms of GPU time for the CPU to get ahead
 
 
 def _gpu_time_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
@@ -272,14 +256,20 @@ def _gpu_time_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
         fn()
     host_us = (time.perf_counter() - start_host) * 1e6
     torch.cuda.synchronize()
-    sleep = getattr(torch.cuda, "_sleep", None)
     cycles = int(min(max(200_000, 4_000 * 2 * host_us), 2e8))  # twice the launch time at up to 4 GHz, <= ~0.1 s
+    return _median_batch_us(fn, repeats, cycles)
+
+
+def _median_batch_us(fn: Callable[[], torch.Tensor], repeats: int, sleep_cycles: int) -> float:
+    """Median over three batches of the time per call of ``repeats`` calls queued behind a GPU sleep
+    of ``sleep_cycles`` clock cycles (CUDA events)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
     batches = []
     for _ in range(3):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         if sleep is not None:
-            sleep(cycles)
+            sleep(sleep_cycles)
         start.record()
         for _ in range(repeats):
             fn()
