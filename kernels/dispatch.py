@@ -150,7 +150,7 @@ class Dispatcher:
             return
         self.decisions.update({str(k): str(v) for k, v in data.get("decisions", {}).items()})
         self.timings_us.update(data.get("timings_us", {}))
-        self.gpu_timings_us.update(data.get("gpu_timings_us", {}))  # absent in files written before it existed
+        self.gpu_timings_us.update(data.get("gpu_timings_us", {}))  # absent in older files
         for cap, entries in data.get("broken", {}).items():  # absent in files written before it existed
             if isinstance(entries, dict):
                 self.broken.setdefault(str(cap), {}).update({str(k): str(v) for k, v in entries.items()})

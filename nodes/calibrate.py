@@ -380,8 +380,9 @@ class LowBitCalibratePolicy(io.ComfyNode):
                                "to nvfp4 only). measure: report the gain only. off: skip it (faster)."),
                 io.Combo.Input("objective", options=list(OBJECTIVES), default="model_output", optional=True,
                                tooltip="model_output: replay the recorded steps once per layer and candidate with only "
-                               "that layer quantized, and minimise the sum of squared model-output errors (slower, measures how "
-                               "far each layer's error travels). layer_output: minimise the layers' own errors."),
+                               "that layer quantized, and minimise the sum of squared model-output errors (slower, "
+                               "measures how far each layer's error travels). layer_output: minimise the layers' own "
+                               "errors."),
                 io.Int.Input("resolution", default=DEFAULT_RESOLUTION, min=64, max=4096, step=64, optional=True,
                              advanced=True, tooltip="Side in pixels of the calibration latent when none is connected."),
                 io.Int.Input("rows_per_layer", default=256, min=16, max=8192, optional=True, advanced=True,

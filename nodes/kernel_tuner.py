@@ -21,7 +21,6 @@ Token counts are rows of the activation. For Flux- and SD3-class models an image
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 
@@ -30,8 +29,6 @@ from comfy_api.latest import io, ui
 
 from . import CATEGORY
 from .common import NodeInputError, progress_bar
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = "256, 1024, 4096"
 MAX_TOKENS = 65536
@@ -129,8 +126,8 @@ def tune(model_patcher, tokens: list[int], *, remeasure: bool = False, progress=
 
 def format_table(rows: list[TuneRow], device: str, cache_path: str | None) -> str:
     measured = any(r.ours_us is not None for r in rows)
-    lines = [f"**Kernel choices on {device}**" + (f", kept in `{cache_path}`" if cache_path else ", not kept (no cache file)"),
-             ""]
+    kept = f", kept in `{cache_path}`" if cache_path else ", not kept (no cache file)"
+    lines = [f"**Kernel choices on {device}**{kept}", ""]
     if not measured:
         lines += ["Nothing is measured off a CUDA GPU: each shape runs the dispatcher's default implementation.", ""]
     head = "| format | N x K | layers | tokens (bucket) | implementation |"
