@@ -76,6 +76,10 @@ def attention_backend(g: Graph, model: list, backend: str, **options) -> list:
     return g.add("LowBitAttentionBackend", model=model, backend=backend, **options).out()
 
 
+def kernel_tuner(g: Graph, model: list, tokens: str = "16", remeasure: bool = False) -> Node:
+    return g.add("LowBitKernelTuner", model=model, tokens=tokens, remeasure=remeasure)
+
+
 def save_quantized(g: Graph, model: list, prefix: str) -> Node:
     return g.add("LowBitSaveQuantizedModel", model=model, filename_prefix=f"diffusion_models/{prefix}")
 

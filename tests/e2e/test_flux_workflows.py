@@ -119,6 +119,24 @@ def test_attention_backend_node_runs_in_sampling(comfy_server, flux):
     assert "cudnn cannot run this call" in comfy_server.log_tail(400)
 
 
+def test_kernel_tuner_passes_the_model_through_and_lists_its_shapes(comfy_server, flux):
+    """UNETLoader -> Quantize Model (int8_convrot) -> Kernel Tuner (LowBit) -> KSampler: the latent is
+    the one the quantized model samples without the tuner, and the tuner's panel lists each distinct
+    (format, N x K) of the quantized layers (on the CPU nothing is measured, and it says so)."""
+    plain = _quantized_latent(comfy_server, lambda g: wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot"),
+                              "tuner_without")
+    g = wf.Graph()
+    tuner = wf.kernel_tuner(g, wf.quantize(g, wf.unet_loader(g, FLUX), "int8_convrot"), tokens="16, 40")
+    out = wf.sample_and_save(g, tuner.out(0), wf.flux_conditioning(g), "tuner_with")
+    result = comfy_server.run_ok(g.api())
+    assert torch.equal(saved_latent(comfy_server, result, out.id), plain)
+    table = result.outputs[tuner.id]["text"][0]
+    assert "Nothing is measured off a CUDA GPU" in table and "kernel_dispatch.json" in table, table
+    rows = [line for line in table.splitlines() if line.startswith("| int8")]
+    assert rows and all(" 16 (16) |" in row or " 40 (64) |" in row for row in rows), table
+    assert len(rows) % 2 == 0, table  # each shape at both token counts
+
+
 @pytest.mark.parametrize("mode", ["w4a8", "fp8_rowwise"])
 def test_lowbit_loader_quantizes_on_the_fly(comfy_server, flux, mode):
     """(b) Load Diffusion Model (LowBit) quantizing a bf16 file while loading -> KSampler."""
