@@ -98,8 +98,13 @@ def tune(model_patcher, tokens: list[int], *, remeasure: bool = False, progress=
         module = dm.get_submodule(name)
         weight = module._parameters["weight"]
         dtype = getattr(getattr(weight, "_params", None), "orig_dtype", None) or torch.bfloat16
+        w = bias = None
+        if device.type == "cuda":  # the bf16 layer of the same shape, once per group
+            w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+            bias = torch.zeros(n, device=device, dtype=dtype) if module.bias is not None else None
         for m in tokens:
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m), dtype=torch.float32).to(device, dtype)
+            # made where it runs, in its dtype (no fp32 copy on the host: 65536 x 15360 would be 4 GB)
+            x = torch.randn(m, k, generator=torch.Generator(device=device).manual_seed(m), device=device, dtype=dtype)
             if remeasure:
                 suffix = f"|m{m_bucket(m)}|n{n}|k{k}"
                 for key in [key for key in dispatcher.decisions if key.endswith(suffix)]:
@@ -110,12 +115,9 @@ def tune(model_patcher, tokens: list[int], *, remeasure: bool = False, progress=
                 module(x)
                 key, choice = dispatcher.last_choice or (None, None)
                 ours = bf16 = None
-                if device.type == "cuda":
+                if w is not None:
                     ours = gpu_time_us(lambda: module(x))
-                    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
-                    bias = torch.zeros(n, device=device, dtype=dtype) if module.bias is not None else None
                     bf16 = gpu_time_us(lambda: torch.nn.functional.linear(x, w, bias))
-                    del w, bias
             rows.append(TuneRow(fmt, n, k, count, m, key, choice, ours, bf16))
             done += 1
             if progress is not None:
