@@ -216,8 +216,8 @@ def sweep(device: torch.device, shapes: list[tuple[int, int]], m: int, rep_ms: i
                 except Exception as err:
                     out(f"gemm {label} {cfg.name} FAILED {type(err).__name__}: {err}"[:300])
         table = level_table_for(p)
-        for cfg in w4_candidates(cap, m):
-            for label, s_rel in (("w4", None), ("w4cb", p.s_rel)):
+        for label, s_rel in (("w4", None), ("w4cb", p.s_rel)):
+            for cfg in w4_candidates(cap, m, codebook=s_rel is not None):
                 try:
                     res[f"{label} {cfg.name}"] = timer(lambda: w4a8_mm_triton(  # codes' order does not matter for time
                         q, p.packed, s, p.w4_scale, p.bias, s_rel, table if s_rel is not None else None, 16,
@@ -348,9 +348,19 @@ def verify(device: torch.device) -> list[str]:
         for codebook in (False, True):
             args = (s_rel, table) if codebook else (None, None)
             ref = ops.w4a8_mm(a, packed, sa, sw, bias, *args, 16, 0, torch.bfloat16, "eager")
-            for cfg in w4_candidates(cap, m):
-                poison = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
+            for cfg in w4_candidates(cap, m, codebook=codebook):
                 a_perm = ops.permute_columns(a, cfg.block_k)
-                out = w4a8_mm_triton(a_perm, packed, sa, sw, bias, *args, 16, torch.bfloat16, cfg, out=poison)
-                check(f"w4 gemm codebook={codebook} m={m} n={n} k={k} {cfg.name}", close_bf16(out, ref))
+                # default: the codebook's first call checks its in-register decode against the gathers;
+                # ptx=True: the in-register decode itself, whatever that check decided
+                for ptx in (None, True) if codebook else (None,):
+                    poison = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
+                    out = w4a8_mm_triton(a_perm, packed, sa, sw, bias, *args, 16, torch.bfloat16, cfg, out=poison,
+                                         ptx=ptx)
+                    check(f"w4 gemm codebook={codebook}{' ptx' if ptx else ''} m={m} n={n} k={k} {cfg.name}",
+                          close_bf16(out, ref))
+    from .triton_w4_gemm import _ptx_checked
+
+    rejected = [key for key, ok in _ptx_checked.items() if not ok]
+    check("w4 codebook in-register decode accepted by every variant's first-call check", not rejected,
+          f"{len(rejected)} of {len(_ptx_checked)} variants fell back to gathers")
     return failures

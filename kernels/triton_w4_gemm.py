@@ -40,6 +40,8 @@ A flag whose requirement is missing (a GPU older than sm_90; a tensor that is no
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -49,13 +51,50 @@ from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
 from .triton_w8a8_gemm import _sm_count
 
+log = logging.getLogger(__name__)
+
+
+def _plane_ptx(src: str, out: str) -> str:
+    """PTX: the 4 levels of the nibbles ``src & 0x0F0F0F0F`` (one code a byte) into ``out``.
+
+    The selector ``x | x >> 12`` puts the codes in nibbles 0..3 in the order (c0, c2, c1, c3); PRMT
+    picks ``T[c & 7]`` from the table words t0:t1 and ``T[8 + (c & 7)]`` from t2:t3; the sign of each
+    byte of ``x << 4`` (code bit 3, by a sign-replicating PRMT) chooses between them (LOP3: ``m ? b : a``);
+    a last PRMT puts the bytes back in the order (c0, c1, c2, c3)."""
+    return (f"and.b32 x, {src}, 0x0F0F0F0F; shr.u32 y, x, 12; or.b32 y, x, y; and.b32 y, y, 0x7777; "
+            "prmt.b32 a, t0, t1, y; prmt.b32 b, t2, t3, y; shl.b32 x, x, 4; prmt.b32 x, x, 0, 0xB9A8; "
+            f"lop3.b32 a, a, b, x, 0xD8; prmt.b32 {out}, a, 0, 0x3120; ")
+
+
+# $2: 4 packed bytes (8 codes of one group); $3: 4 copies of the group's FP8 scale byte (byte 0 is
+# used); $4: the table's address ($5-$7: the same). The table row s holds the 16 levels of scale s.
+# Every input is read before the first output is written (an output may share an input's register).
+_CODEBOOK_PTX = tl.constexpr(
+    "{ .reg .b32 x, y, a, b, h, t0, t1, t2, t3; .reg .b64 r; "
+    "and.b32 x, $3, 0xFF; mul.wide.u32 r, x, 16; add.s64 r, r, $4; "
+    "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [r]; shr.u32 h, $2, 4; "
+    + _plane_ptx("$2", "$0") + _plane_ptx("h", "$1") + "}")
+
 
 @triton.jit
 def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
                CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr,
                BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     """``[BLOCK_N, HALF]`` packed bytes → (low-nibble plane, high-nibble plane), int8 each."""
-    if CODEBOOK:
+    if CODEBOOK and USE_PTX and GROUP >= 8:
+        # The group's 16 levels (table row s: 16 bytes) come in one vector load per 4 packed bytes, and
+        # a byte permute (PRMT) picks each code's level from them in registers. pack=4: the 4 bytes of a
+        # 32-bit register are consecutive along K and share a group (groups are 8-byte aligned runs);
+        # the launcher checks this layout assumption once per variant (``_check_ptx_codebook``).
+        GROUPS: tl.constexpr = 2 * HALF // GROUP
+        g = tl.arange(0, GROUPS)
+        s_off = rows_b[:, None].to(tl.int64) * stride_sn + (k_byte0 * 2) // GROUP + g[None, :]
+        s_byte = tl.load(s_ptr + s_off)  # [BLOCK_N, GROUPS], raw FP8 bytes
+        s_elem = tl.reshape(tl.broadcast_to(s_byte[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)), (BLOCK_N, HALF))
+        table = tl.full((BLOCK_N, HALF), 0, tl.int64) + table_ptr.to(tl.int64)
+        low, high = tl.inline_asm_elementwise(_CODEBOOK_PTX, "=r,=r,r,r,l,l,l,l", [packed, s_elem, table],
+                                              dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    elif CODEBOOK:
         GROUPS: tl.constexpr = 2 * HALF // GROUP
         g = tl.arange(0, GROUPS)
         s_off = rows_b[:, None].to(tl.int64) * stride_sn + (k_byte0 * 2) // GROUP + g[None, :]
@@ -208,7 +247,7 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None, s_rel: torch.Tensor | None, table: torch.Tensor | None,
                    group_size: int, out_dtype: torch.dtype, config: GemmConfig,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, ptx: bool | None = None) -> torch.Tensor:
     """Launch :func:`_w4a8_mm_kernel`. ``a``'s columns must be permuted in blocks of ``config.block_k``
     (evens, then odds). ``s_rel``/``table`` given ⇒ codebook decode, else signed nibbles.
 
@@ -217,6 +256,8 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     ``persistent`` (one program per SM), ``swap_ab``. The TMA flags need sm_90 (or the CPU
     interpreter) and tensors a descriptor can describe; where either is missing, that part runs
     through pointers (same results). ``out`` (tests: a poisoned buffer) receives the result when given.
+    ``ptx`` (tests) forces the inline-PTX decode on or off; by default it runs on a GPU, for the codebook
+    only once :func:`_check_ptx_codebook` has seen this variant agree with the gather decode.
     """
     m, k = a.shape
     n = packed.shape[0]
@@ -237,16 +278,57 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_w else packed
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
-    _LAUNCHER.launch(
-        (programs,),
-        (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
-         s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
-         m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0)),
-        kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
-                          use_ptx=_use_ptx(a), tma_a=tma_a, tma_w=tma_w, tma_store=tma_store),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
+                                   use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,
+                                   tma_store=tma_store)
+    args = (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
+            s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
+            m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0))
+    check = ptx is None and codebook and constexprs["USE_PTX"]
+    if check and _ptx_checked.get(_variant_key(constexprs, config, a.device, out_dtype)) is None:
+        if torch.cuda.is_current_stream_capturing():  # no check inside a graph capture: gathers this once
+            constexprs["USE_PTX"] = False
+        else:
+            _check_ptx_codebook(args, constexprs, config, programs, out, (a, packed, out_dtype))
+            return out
+    elif check:
+        constexprs["USE_PTX"] = _ptx_checked[_variant_key(constexprs, config, a.device, out_dtype)]
+    _LAUNCHER.launch((programs,), args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
+
+
+# The codebook's PTX decode assumes that the 4 bytes Triton hands one inline-assembly instance are
+# consecutive along K in one row (so they share a group). That is how Triton 3.x lays out these tiles,
+# but it is Triton's choice: the first call of each compiled variant in a process also runs the gather
+# decode and compares the two outputs bit for bit; a variant that disagrees keeps the gathers (and
+# says so in the log).
+_ptx_checked: dict[tuple, bool] = {}
+
+
+def _variant_key(constexprs: dict, config: GemmConfig, device: torch.device, out_dtype: torch.dtype) -> tuple:
+    return (device.index, config.num_warps, config.num_stages, out_dtype,
+            tuple((name, value) for name, value in constexprs.items() if name != "USE_PTX"))
+
+
+def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, programs: int, out: torch.Tensor,
+                        problem: tuple) -> None:
+    """Run the variant with the gather decode into ``out`` and with the PTX decode into a second
+    buffer; keep the verdict. ``args[2]`` (the output or its TMA descriptor) is rebuilt for the second run."""
+    a, packed, out_dtype = problem
+    gathers = dict(constexprs, USE_PTX=False)
+    _LAUNCHER.launch((programs,), args, gathers, num_warps=config.num_warps, num_stages=config.num_stages)
+    trial = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+    c_arg = trial
+    if constexprs["TMA_STORE"]:
+        c_arg = tma_descriptor(trial, (config.block_m, config.block_n // (2 if constexprs["SUBTILE"] else 1)))
+    _LAUNCHER.launch((programs,), args[:2] + (c_arg,) + args[3:14] + (trial.stride(0),), constexprs,
+                     num_warps=config.num_warps, num_stages=config.num_stages)
+    verdict = bool(torch.equal(trial, out))
+    if not verdict:
+        log.warning("LowBit: the in-register codebook decode disagrees with the table gathers for the W4 "
+                    "GEMM config %s on this Triton; that config decodes with gathers (slower, same results)",
+                    config.name)
+    _ptx_checked[_variant_key(constexprs, config, a.device, out_dtype)] = verdict
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,

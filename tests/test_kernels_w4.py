@@ -124,3 +124,71 @@ def test_w4a8_linear_matches_kitchen(backend):
     with force_backend(backend):
         ours = w4a8_linear(x, qdata, s_rel, s_channel, codebook, correction, out_dtype=torch.float32)
     assert sqnr_db(ours, kitchen) > (30 if backend is not Backend.DEQUANT else 20)
+
+
+def _run_ptx(asm: str, operands: dict[int, int], memory: dict[int, bytes]) -> dict[int, int]:
+    """Execute the straight-line integer PTX the codebook decode inlines (the instructions it uses, with
+    their PTX semantics) on 32-/64-bit operands; returns the written ``$n`` outputs."""
+    import re
+
+    regs: dict[str, int] = {f"${i}": v for i, v in operands.items()}
+
+    def val(token: str) -> int:
+        token = token.strip()
+        return regs[token] if token in regs else int(token, 0)
+
+    def prmt(a: int, b: int, c: int) -> int:
+        pool = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+        out = 0
+        for i in range(4):
+            sel = (c >> 4 * i) & 0xF
+            byte = pool[sel & 7]
+            if sel & 8:  # replicate the byte's sign
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << 8 * i
+        return out
+
+    def lop3(a: int, b: int, c: int, lut: int) -> int:
+        return sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i for i in range(32))
+
+    body = asm.strip()[1:-1]
+    for stmt in filter(None, (s.strip() for s in body.split(";"))):
+        if stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        if op.startswith("ld.global"):
+            dests, addr = re.match(r"\{([^}]*)\},\s*\[(\S+)\]", rest).groups()
+            data = memory[regs[addr]]
+            for i, dest in enumerate(d.strip() for d in dests.split(",")):
+                regs[dest] = int.from_bytes(data[4 * i:4 * i + 4], "little")
+            continue
+        dest, *src = [t.strip() for t in rest.split(",")]
+        v = [val(t) for t in src]
+        m32 = 0xFFFFFFFF
+        result = {"and.b32": lambda: v[0] & v[1], "or.b32": lambda: v[0] | v[1],
+                  "shr.u32": lambda: (v[0] & m32) >> v[1], "shl.b32": lambda: (v[0] << v[1]) & m32,
+                  "mul.wide.u32": lambda: (v[0] & m32) * v[1], "add.s64": lambda: v[0] + v[1],
+                  "prmt.b32": lambda: prmt(*v), "lop3.b32": lambda: lop3(*v)}[op]()
+        regs[dest] = result
+    return {i: regs[f"${i}"] for i in (0, 1)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_codebook_ptx_decode_picks_the_table_levels(seed):
+    """The inline PTX of the GPU codebook decode (the CPU interpreter runs the gathers instead), executed
+    with PTX semantics: for random packed words and scale bytes, its two output words are the table's
+    levels of the low and high nibbles of each byte, in byte order."""
+    from lowbit.kernels.triton_w4_gemm import _CODEBOOK_PTX
+
+    gen = torch.Generator().manual_seed(seed)
+    table = w4a8_level_table(CODEBOOK).view(torch.uint8)
+    base = 0x10000
+    memory = {base + 16 * s: bytes(table[s].tolist()) for s in range(256)}
+    words = torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist() + [0, 0xFFFFFFFF, 0x88888888]
+    scales = torch.randint(0, 256, (len(words),), generator=gen).tolist()
+    for word, s in zip(words, scales):
+        out = _run_ptx(_CODEBOOK_PTX.value, {2: word, 3: s * 0x01010101, 4: base}, memory)
+        for i in range(4):
+            byte = word >> 8 * i & 0xFF
+            assert out[0] >> 8 * i & 0xFF == table[s, byte & 0xF].item(), (hex(word), s, i)
+            assert out[1] >> 8 * i & 0xFF == table[s, byte >> 4].item(), (hex(word), s, i)
