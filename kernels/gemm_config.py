@@ -140,9 +140,20 @@ def w8a8_candidates(cap: tuple[int, int], m: int, fp8: bool = False) -> list[Gem
     return [c for c in pool if c.fits(cap) and (not c.tma or cap >= (9, 0))] or [C(64, 64, 64, 8, 4, 2)]
 
 
-def w4_candidates(cap: tuple[int, int], m: int) -> list[GemmConfig]:
-    """Configs worth measuring for the 4-bit-weight GEMM (weight tiles are half the bytes)."""
+# The codebook weights (session 8, in-register PRMT decode, the same sweep, geomean of GEMM-alone time
+# over the issue shapes): the decode is the cost, so the tile with the most rows per decoded weight
+# tile wins at M >= 1024 – 256x128x128, 8 warps, TMA-stored halves (0.90x bf16 at M = 4096, 0.78x at
+# 1024) – and at M = 256, 128x64x128 with TMA in and out, which fills more SMs (0.56x).
+_W4_CODEBOOK = (C(256, 128, 128, 8, 8, 3, tma=True, tma_store=True, subtile=True),
+                C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True))
+
+
+def w4_candidates(cap: tuple[int, int], m: int, codebook: bool = False) -> list[GemmConfig]:
+    """Configs worth measuring for the 4-bit-weight GEMM (weight tiles are half the bytes);
+    ``codebook``: for grouped codebook weights (``asym_w4a8_int8``), whose decode favours other tiles."""
     pool = _W4_SMALL if m <= 1024 else _W4_LARGE
+    if codebook:
+        pool = _W4_CODEBOOK[:1] + pool + (_W4_CODEBOOK[1:] if m <= 1024 else ())
     return ([c for c in pool if c.fits(cap, 1.0, 0.5) and (not (c.tma or c.tma_store) or cap >= (9, 0))]
             or [C(64, 64, 64, 8, 4, 2)])
 

@@ -146,7 +146,8 @@ class _W4Plan:
         triton = []
         if self._triton_problem() is None:
             on_gpu = self.device.type == "cuda"
-            configs = w4_candidates(capability(self.device), m) if on_gpu else [default_config(m, "w4")]
+            configs = (w4_candidates(capability(self.device), m, codebook=self.s_rel is not None) if on_gpu
+                       else [default_config(m, "w4")])
             triton = [f"triton:{c.name}" for c in configs]
         kitchen = ["kitchen"] if self._kitchen_ok() else []
         if self.device.type == "cuda":  # the reference runs on a GPU only when forced
