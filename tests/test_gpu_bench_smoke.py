@@ -146,3 +146,27 @@ def test_profile_groups_cublas_nvjet_kernels_as_gemm(monkeypatch):
     assert category("_act_quant_pieces_kernel") == "act_quant"
     assert category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x") == "attention"
     assert category("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>") == "other"
+
+
+def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
+    """``diag_flux_error.py`` at the tiny size: every variant ran, the layer groups split the quantized
+    layers exactly (``only:<g>`` counts add up to ``all``, ``all_but:<g>`` is the rest), and keeping
+    layers in bf16 never quantizes more of them."""
+    out = tmp_path / "err.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(GPU_DIR / "diag_flux_error.py"), "--size", "tiny", "--device", "cpu",
+                           "--modes", "int8_convrot", "--attention-backend", "math", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    _assert_finite(report, "diag")
+    rows = report["modes"]["int8_convrot"]
+    assert all("error" not in row for row in rows.values()), rows
+    total = rows["all"]["quantized_layers"]
+    groups = list(report["groups"])
+    assert total > 0 and rows["weights_only"]["quantized_layers"] == total
+    assert sum(rows[f"only:{g}"]["quantized_layers"] for g in groups) == total
+    for g in groups:
+        assert rows[f"only:{g}"]["quantized_layers"] > 0
+        assert rows[f"all_but:{g}"]["quantized_layers"] == total - rows[f"only:{g}"]["quantized_layers"]
+    assert all(row["rel_err"] > 0 for row in rows.values()) and report["bf16_self"] >= 0

@@ -1,0 +1,123 @@
+"""Where a quantized Flux step's output error comes from (Flux.1-dev-sized model, real ComfyUI Flux class).
+
+Usage (from the repository root, < 3 minutes on an H200)::
+
+  python tests/gpu/diag_flux_error.py --size dev --modes fp8_rowwise int8_convrot --out err.json
+
+The model and input are ``bench_flux_step.py``'s (random weights with outlier input channels, 1024x1024,
+batch 1). For each mode, the relative L2 error of one forward against bf16, with:
+
+* ``all``: every layer the preset quantizes, as the step benchmark runs it;
+* ``weights_only``: the same layers, run by the ``dequant`` backend (the weight rounded as stored,
+  the activation not quantized): the activations' share of the error is ``all`` minus this, in power;
+* ``only:<group>``: one group of layers quantized, the others kept in bf16 (the groups below partition
+  the quantized layers, so their errors, added in power, roughly give ``all``);
+* ``all_but:<group>``: every group but one.
+
+Layer groups (names relative to the diffusion model): ``mod`` (the per-block modulation linears,
+one row a call at batch 1), ``double_attn`` (qkv and output projections of the double blocks),
+``double_mlp``, ``single_linear1``, ``single_linear2``.
+
+Also reported: ``bf16_self``, the error of a second bf16 forward with the Attention Backend node's
+backend (what attention alone moves; ``--attention-backend``). Not a pytest file; ``--size tiny
+--device cpu`` is a quick smoke run of the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_flux_step as bench  # noqa: E402
+
+log = logging.getLogger("diag_flux_error")
+
+GROUPS = {
+    "mod": r"^(double_blocks\.\d+\.(img|txt)_mod|single_blocks\.\d+\.modulation)\.lin$",
+    "double_attn": r"^double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)$",
+    "double_mlp": r"^double_blocks\.\d+\.(img|txt)_mlp\.\d+$",
+    "single_linear1": r"^single_blocks\.\d+\.linear1$",
+    "single_linear2": r"^single_blocks\.\d+\.linear2$",
+}
+
+
+def forward(dm, args, options=None) -> torch.Tensor:
+    x, t, ctx, y, g = args
+    opts = {"transformer_options": dict(options)} if options else {}
+    with torch.inference_mode():
+        return dm(x, t, ctx, y=y, guidance=g, **opts).float()
+
+
+def variants(groups: list[str]) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(label, extra keep-float patterns, weights only) per measured variant."""
+    rows = [("all", (), False), ("weights_only", (), True)]
+    rows += [(f"only:{g}", tuple(GROUPS[o] for o in groups if o != g), False) for g in groups]
+    rows += [(f"all_but:{g}", (GROUPS[g],), False) for g in groups]
+    return rows
+
+
+def run(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(bench.SIZES), default="dev")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--modes", nargs="+", default=["fp8_rowwise", "int8_convrot"])
+    p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    device = torch.device(a.device)
+    bench.import_comfy(device.type)
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    from lowbit.kernels.backend import Backend, force_backend
+    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.quant.policy import Policy
+
+    report = {"size": a.size, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "groups": {g: GROUPS[g] for g in a.groups}, "modes": {}}
+    base = bench.build_flux(a.size, device)
+    dm = base.model.diffusion_model
+    args = bench.inputs(a.size, device)
+    ref = forward(dm, args)
+    report["bf16_self"] = bench.rel_err(forward(dm, args, bench.attention_options(a.attention_backend)), ref)
+    for mode in a.modes:
+        rows = {}
+        for label, keep, weights_only in variants(a.groups):
+            start = time.perf_counter()
+            try:
+                q = quantize_model(base, Policy(mode=mode, extra_keep_float=keep))
+                qdm = q.model.diffusion_model
+                layers = sum(1 for m in qdm.modules() if isinstance(getattr(m, "weight", None), QuantizedTensor))
+                if weights_only:
+                    with force_backend(Backend.DEQUANT):
+                        out = forward(qdm, args)
+                else:
+                    out = forward(qdm, args)
+                rows[label] = {"rel_err": bench.rel_err(out, ref), "quantized_layers": layers,
+                               "s": round(time.perf_counter() - start, 2)}
+                del q, qdm, out
+            except Exception as err:  # one variant failing must not lose the others
+                log.exception("%s %s failed", mode, label)
+                rows[label] = {"error": f"{type(err).__name__}: {err}"[:500]}
+            log.info("%s %s: %s", mode, label, rows[label])
+            bench.free(device)
+        report["modes"][mode] = rows
+        if a.out:
+            Path(a.out).write_text(json.dumps(report, indent=2))
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=2))
+        print(f"JSON report: {a.out}")
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    run()
