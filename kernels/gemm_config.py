@@ -30,7 +30,7 @@ class GemmConfig:
     persistent: bool = False  # with tma: one program per SM looping over output tiles
     tma_store: bool = False  # the output tile leaves through a TMA store (contiguous outputs; else plain stores)
     subtile: bool = False  # with tma_store: the tile is stored as two BLOCK_N / 2 halves (half the staging buffer)
-    split_k: int = 1  # INT8 W8A8 and the W4 GEMM: K split over this many programs per tile, summed exactly in int32
+    split_k: int = 1  # INT8 W8A8 only: K split over this many programs per tile, summed exactly in int32
 
     def __post_init__(self):
         for value, what in ((self.block_m, "block_m"), (self.block_n, "block_n"), (self.block_k, "block_k")):
@@ -148,21 +148,12 @@ _W4_CODEBOOK = (C(256, 128, 128, 8, 8, 3, tma=True, tma_store=True, subtile=True
                 C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True))
 
 
-# Split-K for few rows: at M = 256 an N = 3072 layer has 24-48 output tiles for 132 SMs, each decoding
-# its weight tiles over all of K; K shares fill the GPU (each weight tile is still decoded once per
-# row tile). Three launches (workspace zeroing, GEMM, epilogue).
-_W4_SPLIT_K = (C(64, 128, 128, 8, 4, 4, split_k=2), C(64, 128, 128, 8, 4, 4, split_k=4),
-               C(128, 64, 128, 8, 4, 4, split_k=4))
-
-
 def w4_candidates(cap: tuple[int, int], m: int, codebook: bool = False) -> list[GemmConfig]:
     """Configs worth measuring for the 4-bit-weight GEMM (weight tiles are half the bytes);
     ``codebook``: for grouped codebook weights (``asym_w4a8_int8``), whose decode favours other tiles."""
     pool = _W4_SMALL if m <= 1024 else _W4_LARGE
     if codebook:
         pool = _W4_CODEBOOK[:1] + pool + (_W4_CODEBOOK[1:] if m <= 1024 else ())
-    if m <= _SPLIT_K_MAX_M:
-        pool = pool + _W4_SPLIT_K
     return ([c for c in pool if c.fits(cap, 1.0, 0.5) and (not (c.tma or c.tma_store) or cap >= (9, 0))]
             or [C(64, 64, 64, 8, 4, 2)])
 

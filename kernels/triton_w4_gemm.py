@@ -120,12 +120,11 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
 
 
 @triton.jit
-def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, K, stride_am, stride_wn, stride_sn, k_first, k_tiles,
+def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, K, stride_am, stride_wn, stride_sn,
              CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
              TMA_A: tl.constexpr, TMA_W: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``, over the ``k_tiles`` K tiles
-    from ``k_first`` (all of K, or one split-K share).
+    """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``.
 
     ``TMA_A`` / ``TMA_W``: ``a`` / ``w`` is a TMA descriptor (blocks ``[BLOCK_M, BLOCK_K / 2]`` /
     ``[BLOCK_N, BLOCK_K / 2]``: the even and odd halves of the activation tile are two copies, so
@@ -138,14 +137,14 @@ def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, K, stride_am, stride_wn
     if not TMA_A:
         offs_m = off_m + tl.arange(0, BLOCK_M)
         rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-        a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + k_first * BLOCK_K + offs_h[None, :]
+        a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + offs_h[None, :]
     if not TMA_W:
-        w_ptrs = w + rows_b[:, None].to(tl.int64) * stride_wn + k_first * HALF + offs_h[None, :]
+        w_ptrs = w + rows_b[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(k_first, k_first + k_tiles):  # K is a multiple of BLOCK_K (checked by the launcher)
+    for k in range(0, K // BLOCK_K):  # K is a multiple of BLOCK_K (checked by the launcher)
         if TMA_A:
             a_even = a.load([off_m, k * BLOCK_K])
             a_odd = a.load([off_m, k * BLOCK_K + HALF])
@@ -211,42 +210,26 @@ def _w4a8_mm_kernel(
     M, N, K, stride_am, stride_wn, stride_sn, stride_cm,
     CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
     SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
-    PERSISTENT: tl.constexpr, K_TILES_PER_SPLIT: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One output tile a program, or (``PERSISTENT``) a grid of at most one program per SM walking the
     tiles in the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the
     next tile's loads. (The stride is ``tl.num_programs``, not a constexpr: a grid smaller than the SM
-    count, for a small output, needs no compile of its own.)
-
-    Split-K (``K_TILES_PER_SPLIT`` > 0): program ``(tile, s)`` sums the K tiles of share ``s`` and adds
-    its int32 tile atomically into ``c``, a zeroed int32 ``[M, N]`` workspace (integer sums are exact
-    and order-free); ``triton_w8a8_gemm._split_k_epilogue_kernel`` then applies the scales, in the
-    same order as :func:`_w4_scaled`."""
-    if K_TILES_PER_SPLIT > 0:
-        pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-        acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
-                       stride_sn, tl.program_id(1) * K_TILES_PER_SPLIT, K_TILES_PER_SPLIT, CODEBOOK, GROUP,
-                       USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.atomic_add(c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc,
-                      mask=(offs_m < M)[:, None] & (offs_n < N)[None, :], sem="relaxed")
-    elif PERSISTENT:
+    count, for a small output, needs no compile of its own.)"""
+    if PERSISTENT:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
-                           stride_sn, 0, K // BLOCK_K, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
+                           stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
             _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                       HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
-                       stride_sn, 0, K // BLOCK_K, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
+                       stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
         _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                   HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
 
@@ -302,52 +285,16 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
             s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
             m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0))
     check = ptx is None and codebook and constexprs["USE_PTX"]
-    if check:
-        verdict = _ptx_checked.get(_variant_key(constexprs, config, a.device, out_dtype))
-        if verdict is None and torch.cuda.is_current_stream_capturing():  # no check inside a graph capture
-            verdict = False  # the gathers, this once
-        if verdict is not None:
-            constexprs["USE_PTX"], check = verdict, False
-    if config.split_k > 1:
-        _split_k(args, constexprs, config, tiles, out, check, (a, packed, out_dtype, a_scale, w_scale, bias))
+    if check and _ptx_checked.get(_variant_key(constexprs, config, a.device, out_dtype)) is None:
+        if torch.cuda.is_current_stream_capturing():  # no check inside a graph capture: gathers this once
+            constexprs["USE_PTX"] = False
+        else:
+            _check_ptx_codebook(args, constexprs, config, programs, out, (a, packed, out_dtype))
+            return out
     elif check:
-        _check_ptx_codebook(args, constexprs, config, programs, out, (a, packed, out_dtype))
-    else:
-        _LAUNCHER.launch((programs,), args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
+        constexprs["USE_PTX"] = _ptx_checked[_variant_key(constexprs, config, a.device, out_dtype)]
+    _LAUNCHER.launch((programs,), args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
-
-
-def _split_k(args: tuple, constexprs: dict, config: GemmConfig, tiles: int, out: torch.Tensor, check: bool,
-             problem: tuple) -> None:
-    """A ``split_k`` config: K in equal shares of whole K tiles (the share count rounded so that it
-    divides them), summed exactly in a zeroed int32 workspace, then the W8A8 split-K epilogue (the same
-    arithmetic as the one-program kernel's, so the same bits). ``check``: the codebook's first call,
-    run with both decodes and their int32 sums compared."""
-    from .triton_w8a8_gemm import _SPLIT_K_EPILOGUE
-
-    a, packed, out_dtype, a_scale, w_scale, bias = problem
-    m, k = a.shape
-    n = packed.shape[0]
-    k_tiles = k // config.block_k
-    per_split = -(-k_tiles // config.split_k)
-    while k_tiles % per_split:
-        per_split += 1
-
-    def partial_sums(use_ptx: bool) -> torch.Tensor:
-        ws = torch.zeros((m, n), dtype=torch.int32, device=a.device)
-        _LAUNCHER.launch((tiles, k_tiles // per_split), args[:2] + (ws,) + args[3:14] + (n,),
-                         dict(constexprs, USE_PTX=use_ptx, K_TILES_PER_SPLIT=per_split),
-                         num_warps=config.num_warps, num_stages=config.num_stages)
-        return ws
-
-    ws = partial_sums(constexprs["USE_PTX"] and not check)
-    if check:
-        _record_ptx_verdict(torch.equal(partial_sums(True), ws), constexprs, config, a.device, out_dtype)
-    _SPLIT_K_EPILOGUE.launch((-(-m // 64), -(-n // 64)),
-                             (ws, out, a_scale, w_scale, bias if bias is not None else a_scale, a_scale, a_scale,
-                              m, n, out.stride(0)),
-                             dict(B_SCALE_PER_N=True, HAS_BIAS=bias is not None, HAS_SHIFT=False, BLOCK_M=64,
-                                  BLOCK_N=64), num_warps=4)
 
 
 # The codebook's PTX decode assumes that the 4 bytes Triton hands one inline-assembly instance are
@@ -359,7 +306,7 @@ _ptx_checked: dict[tuple, bool] = {}
 
 
 def _variant_key(constexprs: dict, config: GemmConfig, device: torch.device, out_dtype: torch.dtype) -> tuple:
-    return (device.index, config.name, out_dtype,
+    return (device.index, config.num_warps, config.num_stages, out_dtype,
             tuple((name, value) for name, value in constexprs.items() if name != "USE_PTX"))
 
 
@@ -376,25 +323,21 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, progr
         c_arg = tma_descriptor(trial, (config.block_m, config.block_n // (2 if constexprs["SUBTILE"] else 1)))
     _LAUNCHER.launch((programs,), args[:2] + (c_arg,) + args[3:14] + (trial.stride(0),), constexprs,
                      num_warps=config.num_warps, num_stages=config.num_stages)
-    _record_ptx_verdict(torch.equal(trial, out), constexprs, config, a.device, out_dtype)
-
-
-def _record_ptx_verdict(agree: bool, constexprs: dict, config: GemmConfig, device: torch.device,
-                        out_dtype: torch.dtype) -> None:
-    if not agree:
+    verdict = bool(torch.equal(trial, out))
+    if not verdict:
         log.warning("LowBit: the in-register codebook decode disagrees with the table gathers for the W4 "
                     "GEMM config %s on this Triton; that config decodes with gathers (slower, same results)",
                     config.name)
-    _ptx_checked[_variant_key(constexprs, config, device, out_dtype)] = bool(agree)
+    _ptx_checked[_variant_key(constexprs, config, a.device, out_dtype)] = verdict
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
-                      tma_a: bool, tma_w: bool, tma_store: bool, k_tiles_per_split: int = 0) -> dict:
+                      tma_a: bool, tma_w: bool, tma_store: bool) -> dict:
     """The constexpr arguments of :func:`_w4a8_mm_kernel`, in parameter order, for one variant
     (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
                 SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
-                SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent, K_TILES_PER_SPLIT=k_tiles_per_split,
+                SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
 
 
