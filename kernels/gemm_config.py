@@ -123,8 +123,11 @@ _SPLIT_K_MAX_M = 256
 # fastest as 128x128x128 swap-AB, 4 warps, 4 stages (1.42x bf16 at M = 4096, 1.14x at M = 1024), with
 # or without TMA in and out; the codebook weights gain 2x from TMA (0.46x against 0.24x with pointers),
 # still behind comfy-kitchen's path. 64x256 tiles, 128x256x64 and 256x128 at 4 stages: 0.2-0.7x, dropped.
+# Session 8 (Triton 3.6, the same sweep): at M = 4096 the 8-warp swap-AB TMA-in-and-out variant led the
+# signed nibbles (1.43x geomean against 1.35x for the 4-warp ones), so it is measured too.
 _W4_LARGE = (
     C(128, 128, 128, 8, 4, 4, swap_ab=True), C(128, 128, 128, 8, 4, 4, swap_ab=True, tma=True, tma_store=True),
+    C(128, 128, 128, 8, 8, 4, swap_ab=True, tma=True, tma_store=True),
     C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True), C(128, 128, 128, 8, 8, 4), C(256, 128, 128, 8, 8, 3),
     C(128, 256, 128, 8, 8, 3),
 )
