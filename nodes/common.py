@@ -48,9 +48,31 @@ def backend_options() -> list[str]:
     return list(KERNEL_BACKENDS)
 
 
-def make_policy(mode: str, preset: str, int4_mixed_ratio: float) -> Policy:
+KEEP_FLOAT_TOOLTIP = (
+    "More layers to keep in float, added to the preset's: regular expressions searched in the layer names "
+    "(e.g. double_blocks.0.img_attn.qkv), one per line. Example: (_mod|modulation)\\.lin$ keeps Flux's "
+    "per-block modulation linears in float (more accurate, about a quarter more weight memory). Empty: the preset's "
+    "choice.")
+
+
+def keep_float_patterns(text: str) -> tuple[str, ...]:
+    """The ``keep_float`` input's regular expressions: one per non-empty line, each checked."""
+    import re
+
+    patterns = tuple(line.strip() for line in str(text or "").splitlines() if line.strip())
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise NodeInputError(f"keep_float: {pattern!r} is not a valid regular expression ({err}); write one "
+                                 f"regular expression per line, e.g. _mod\\.lin$") from None
+    return patterns
+
+
+def make_policy(mode: str, preset: str, int4_mixed_ratio: float, keep_float: str = "") -> Policy:
     """The policy of a node's inputs (validation errors name the bad input)."""
-    return Policy(mode=mode, preset=preset, int4_mixed_ratio=float(int4_mixed_ratio))
+    return Policy(mode=mode, preset=preset, int4_mixed_ratio=float(int4_mixed_ratio),
+                  extra_keep_float=keep_float_patterns(keep_float))
 
 
 def weight_dtype(name: str) -> torch.dtype | None:

@@ -111,6 +111,31 @@ def test_enable_bypass_as_needed_and_always(float_model):
         _quantize(float_model, enable="sometimes")
 
 
+def test_keep_float_keeps_the_matching_layers_float(float_model, float_output):
+    """``keep_float``: one regular expression per line, added to the preset's; the matching layers stay
+    float, the others are quantized as without it, and the model is closer to the float one."""
+    plain = {name for name, _, _ in quantized_layers(_quantize(float_model))}
+    kept = _quantize(float_model, keep_float="(_mod|modulation)\\.lin$\n\n  ^single_blocks\\.1\\.linear2$  \n")
+    names = {name for name, _, _ in quantized_layers(kept)}
+    dropped = plain - names
+    assert names < plain and names == {n for n in plain if not n.endswith("_mod.lin") and not n.endswith(".modulation.lin")
+                                       and n != "single_blocks.1.linear2"}
+    assert {"double_blocks.0.img_mod.lin", "single_blocks.0.modulation.lin", "single_blocks.1.linear2"} <= dropped
+    modules = dict(kept.model.diffusion_model.named_modules())
+    for name in dropped:
+        assert not isinstance(modules[name].weight, QuantizedTensor), name
+    assert info_keep(kept) == ("(_mod|modulation)\\.lin$", "^single_blocks\\.1\\.linear2$")
+    assert sqnr_db(float_output, run_flux(kept)) > sqnr_db(float_output, run_flux(_quantize(float_model)))
+    assert _quantize(float_model, keep_float="") is _quantize(float_model)  # empty: the same cached model
+    with pytest.raises(NodeInputError, match="keep_float: 'img_mod\\(' is not a valid regular expression"):
+        _quantize(float_model, keep_float="img_mod(")
+
+
+def info_keep(model) -> tuple[str, ...]:
+    """The ``extra_keep_float`` of the policy a quantized model records."""
+    return tuple(model_info(model).policy["extra_keep_float"])
+
+
 def _lora(state_dict, scale: float = 3.0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(11)
     lora = {}
