@@ -124,7 +124,9 @@ _SPLIT_K_MAX_M = 256
 # or without TMA in and out; the codebook weights gain 2x from TMA (0.46x against 0.24x with pointers),
 # still behind comfy-kitchen's path. 64x256 tiles, 128x256x64 and 256x128 at 4 stages: 0.2-0.7x, dropped.
 # Session 8 (Triton 3.6, the same sweep): at M = 4096 the 8-warp swap-AB TMA-in-and-out variant led the
-# signed nibbles (1.43x geomean against 1.35x for the 4-warp ones), so it is measured too.
+# signed nibbles (1.43x geomean against 1.35x for the 4-warp ones), so it is measured too. Through the
+# whole linear (activation quantization first, weights warm in L2) it ties with them within 2 %: the
+# dispatcher chose it for 1 of the 6 large-M w4a4 shapes of a Flux step.
 _W4_LARGE = (
     C(128, 128, 128, 8, 4, 4, swap_ab=True), C(128, 128, 128, 8, 4, 4, swap_ab=True, tma=True, tma_store=True),
     C(128, 128, 128, 8, 8, 4, swap_ab=True, tma=True, tma_store=True),

@@ -18,7 +18,13 @@ Two decodes:
   applied in the epilogue.
 * ``CODEBOOK=True`` – grouped codes (``asym_w4a8_int8``): the level of code ``c`` in a group with
   FP8 scale byte ``s`` is ``table[s, c]`` (``reference.w4a8_level_table``: 256×16 int8, 4 KiB,
-  ``round(codebook[c] * fp8(s))``, exactly comfy-kitchen's decode), one cached lookup per weight.
+  ``round(codebook[c] * fp8(s))``, exactly comfy-kitchen's decode). On a GPU, per 4 packed bytes
+  (8 codes of one group) an inline-PTX block loads the group's 16-byte table row in one vector load
+  and picks each code's level with byte permutes (PRMT: ``T[c & 7]`` from the row's first 8 bytes,
+  ``T[8 + (c & 7)]`` from the last 8, chosen by code bit 3), 21 integer instructions for both planes;
+  the group scale byte is read once per group. The first call of each compiled variant also runs the
+  interpreter's form (two byte gathers per packed byte) and compares the outputs bit for bit, since
+  the PTX assumes Triton hands it 4 consecutive bytes of one row (``_check_ptx_codebook``).
 
 ``SWAP_AB`` computes the transposed tile (the decoded weight as the left operand, which Hopper's
 ``wgmma`` can take from registers) and stores it transposed; the dispatcher measures both.
