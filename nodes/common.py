@@ -8,7 +8,8 @@ from typing import Callable
 import torch
 
 from ..quant.errors import LowBitError
-from ..quant.policy import Policy, all_modes
+from ..quant.errors import PolicyError
+from ..quant.policy import Policy, all_modes, compile_pattern
 from ..quant.presets import preset_names
 from .comfy_ops import KERNEL_BACKENDS
 
@@ -57,15 +58,12 @@ KEEP_FLOAT_TOOLTIP = (
 
 def keep_float_patterns(text: str) -> tuple[str, ...]:
     """The ``keep_float`` input's regular expressions: one per non-empty line, each checked."""
-    import re
-
     patterns = tuple(line.strip() for line in str(text or "").splitlines() if line.strip())
     for pattern in patterns:
         try:
-            re.compile(pattern)
-        except re.error as err:
-            raise NodeInputError(f"keep_float: {pattern!r} is not a valid regular expression ({err}); write one "
-                                 f"regular expression per line, e.g. _mod\\.lin$") from None
+            compile_pattern(pattern, "keep_float")
+        except PolicyError as err:
+            raise NodeInputError(f"{err}; write one regular expression per line, e.g. _mod\\.lin$") from None
     return patterns
 
 

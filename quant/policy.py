@@ -140,7 +140,7 @@ class Policy:
             raise PolicyError(f"policy version {self.version} is not supported (this LowBit reads version {POLICY_VERSION})")
         object.__setattr__(self, "extra_keep_float", tuple(self.extra_keep_float))
         for pattern in self.extra_keep_float:
-            _compile(pattern, "extra_keep_float")
+            compile_pattern(pattern, "extra_keep_float")
         object.__setattr__(self, "layer_formats", _layer_formats(self.layer_formats))
 
     @property
@@ -169,7 +169,7 @@ class Policy:
     def plan(self, shapes: Mapping[str, tuple[int, ...]], preset: Preset | None = None) -> Plan:
         """Decide every layer. ``shapes`` maps state-dict keys (``<layer>.weight``...) to shapes."""
         preset = preset or self.resolve_preset(shapes)
-        keep = [_compile(p, "keep_float") for p in (*preset.keep_float, *self.extra_keep_float)]
+        keep = [compile_pattern(p, "keep_float") for p in (*preset.keep_float, *self.extra_keep_float)]
         overrides = self.layer_format_map
         prefix = model_prefix(shapes)
         decisions: dict[str, LayerDecision] = {}
@@ -242,7 +242,8 @@ def _layer_formats(value) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(items))
 
 
-def _compile(pattern: str, what: str) -> re.Pattern:
+def compile_pattern(pattern: str, what: str) -> re.Pattern:
+    """``pattern`` compiled; a :class:`PolicyError` naming ``what`` (the option it came from) if it is not one."""
     try:
         return re.compile(pattern)
     except re.error as err:
@@ -269,7 +270,7 @@ def _sensitivity_rank(names: list[str], preset: Preset, prefix: str = "") -> lis
     outside any block list rank with the edge blocks. Ties go by layer name in natural order
     (``blocks.2`` before ``blocks.10``), so the plan never depends on the order of the keys.
     """
-    sensitive = [_compile(p, "int4_sensitive") for p in preset.int4_sensitive]
+    sensitive = [compile_pattern(p, "int4_sensitive") for p in preset.int4_sensitive]
     relative = {name: name[len(prefix):] if name.startswith(prefix) else name for name in names}
     positions = {name: _block_position(relative[name]) for name in names}
     last: dict[str, int] = {}

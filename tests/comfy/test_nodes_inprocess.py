@@ -127,7 +127,7 @@ def test_keep_float_keeps_the_matching_layers_float(float_model, float_output):
     assert info_keep(kept) == ("(_mod|modulation)\\.lin$", "^single_blocks\\.1\\.linear2$")
     assert sqnr_db(float_output, run_flux(kept)) > sqnr_db(float_output, run_flux(_quantize(float_model)))
     assert _quantize(float_model, keep_float="") is _quantize(float_model)  # empty: the same cached model
-    with pytest.raises(NodeInputError, match="keep_float: 'img_mod\\(' is not a valid regular expression"):
+    with pytest.raises(NodeInputError, match="keep_float pattern 'img_mod\\(' is not a valid regular expression"):
         _quantize(float_model, keep_float="img_mod(")
 
 
