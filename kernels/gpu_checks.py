@@ -358,9 +358,18 @@ def verify(device: torch.device) -> list[str]:
                                          ptx=ptx)
                     check(f"w4 gemm codebook={codebook}{' ptx' if ptx else ''} m={m} n={n} k={k} {cfg.name}",
                           close_bf16(out, ref))
+        from .triton_w4_expand import expand_w4_int8
+
+        for codebook in (False, True):  # the weight expanded to INT8 (the "triton:expand-" candidates)
+            args = (s_rel, table) if codebook else (None, None)
+            expected = ops.decode_w4_reference(packed, *args, 16)
+            for ptx in (None, True, False):
+                levels = expand_w4_int8(packed, *args, 16, ptx=ptx)
+                check(f"w4 expand codebook={codebook} ptx={ptx} n={n} k={k}", torch.equal(levels, expected))
+    from .triton_w4_expand import _ptx_checked as _expand_checked
     from .triton_w4_gemm import _ptx_checked
 
-    rejected = [key for key, ok in _ptx_checked.items() if not ok]
+    rejected = [key for key, ok in (*_ptx_checked.items(), *_expand_checked.items()) if not ok]
     check("w4 codebook in-register decode accepted by every variant's first-call check", not rejected,
-          f"{len(rejected)} of {len(_ptx_checked)} variants fell back to gathers")
+          f"{len(rejected)} of {len(_ptx_checked) + len(_expand_checked)} variants fell back to gathers")
     return failures

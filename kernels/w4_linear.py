@@ -10,7 +10,10 @@ decodes it in registers (``kernels/triton_w4_gemm.py``):
 * :func:`w4a8_linear` – ``asym_w4a8_int8``: grouped codebook codes with FP8 group scales and an
   fp32 channel scale, ConvRot-256 rotation, INT8 activations.
 
-Candidates: ``triton:<config>``, ``kitchen`` (comfy-kitchen's linear), ``dequant`` and ``eager``.
+Candidates: ``triton:<config>`` (the in-register W4 GEMM), ``triton:expand-<config>`` (the weight
+expanded into a temporary INT8 matrix by ``kernels/triton_w4_expand.py``, then the INT8 W8A8 GEMM with
+that config: the same int32 sums and epilogue, so the same bits), ``kitchen`` (comfy-kitchen's linear),
+``dequant`` and ``eager``.
 After the first call of a shape, the dispatcher's settled choice runs as a cached plan
 (``dispatch.run_fast``): for a Triton decision, the act-quant kernel and the W4 GEMM alone.
 """
@@ -23,7 +26,7 @@ import torch
 
 from . import dispatch, ops
 from .backend import Backend, active_backend, capability, interpreting, triton_problem
-from .gemm_config import config_named, default_config, w4_candidates
+from .gemm_config import config_named, default_config, w4_candidates, w4_expand_candidates
 from .hadamard import rotate_blocks
 from .reference import FP8, INT4_MAX, INT8_MAX, decode_w4a8_levels, unpack_int4_signed, w4a8_level_table
 
@@ -148,7 +151,8 @@ class _W4Plan:
             on_gpu = self.device.type == "cuda"
             configs = (w4_candidates(capability(self.device), m, codebook=self.s_rel is not None) if on_gpu
                        else [default_config(m, "w4")])
-            triton = [f"triton:{c.name}" for c in configs]
+            expand = w4_expand_candidates(capability(self.device), m) if on_gpu else [default_config(m)]
+            triton = [f"triton:{c.name}" for c in configs] + [f"{EXPAND}{c.name}" for c in expand]
         kitchen = ["kitchen"] if self._kitchen_ok() else []
         if self.device.type == "cuda":  # the reference runs on a GPU only when forced
             return triton + kitchen + ["dequant"] + (["eager"] if active_backend() is Backend.EAGER else [])
@@ -157,6 +161,9 @@ class _W4Plan:
     def make_fast(self, name: str):
         """The steady-state call of candidate ``name``:
         ``plan(x2d, packed, w_scale, bias, s_rel, codebook, correction)``."""
+        if name.startswith(EXPAND):
+            return _ExpandW4Plan(config_named(name[len(EXPAND):]), self.qmax, self.rot_group, self.group_size,
+                                 self.out_dtype)
         if name.startswith("triton:"):
             return _TritonW4Plan(config_named(name.split(":", 1)[1]), self.qmax, self.rot_group, self.group_size,
                                  self.out_dtype)
@@ -168,6 +175,10 @@ class _W4Plan:
         return plan
 
     def make(self, name: str):
+        if name.startswith(EXPAND):
+            config = config_named(name[len(EXPAND):])
+            return lambda: _ExpandW4Plan(config, self.qmax, self.rot_group, self.group_size, self.out_dtype)(
+                self.x, self.packed, self.w_scale, self.bias, self.s_rel, self.codebook, self.correction)
         if name.startswith("triton:"):
             config = name.split(":", 1)[1]
             return lambda: self._quantized("triton", config, config_named(config).block_k)
@@ -238,3 +249,28 @@ class _TritonW4Plan:
             w_scale = w_scale.reshape(-1).float()
         table = level_table(codebook, x.device) if s_rel is not None else None
         return w4a8_mm_triton(q, packed, scale, w_scale, bias, s_rel, table, self.group_size, self.out_dtype, config)
+
+
+EXPAND = "triton:expand-"
+
+
+class _ExpandW4Plan:
+    """The act-quant kernel (codes in natural order) + the weight expanded to INT8 + the W8A8 GEMM."""
+
+    __slots__ = ("config", "qmax", "rot_group", "group_size", "out_dtype")
+
+    def __init__(self, config, qmax, rot_group, group_size, out_dtype):
+        self.config, self.qmax, self.rot_group, self.group_size, self.out_dtype = (config, qmax, rot_group,
+                                                                                  group_size, out_dtype)
+
+    def __call__(self, x, packed, w_scale, bias, s_rel, codebook, correction):
+        from .triton_act_quant import act_quant_triton
+        from .triton_w4_expand import expand_w4_int8
+        from .triton_w8a8_gemm import w8a8_mm_triton
+
+        q, scale, _ = act_quant_triton(x, torch.int8, self.qmax, "regular", self.rot_group, None, False, 0)
+        if w_scale.dtype != torch.float32 or not w_scale.is_contiguous():
+            w_scale = w_scale.reshape(-1).float()
+        table = level_table(codebook, x.device) if s_rel is not None else None
+        levels = expand_w4_int8(packed, s_rel, table, self.group_size)
+        return w8a8_mm_triton(q, levels, scale, w_scale, bias, None, None, self.out_dtype, self.config)

@@ -192,3 +192,62 @@ def test_codebook_ptx_decode_picks_the_table_levels(seed):
             byte = word >> 8 * i & 0xFF
             assert out[0] >> 8 * i & 0xFF == table[s, byte & 0xF].item(), (hex(word), s, i)
             assert out[1] >> 8 * i & 0xFF == table[s, byte >> 4].item(), (hex(word), s, i)
+
+
+@needs_triton_interpreter()
+@pytest.mark.parametrize("codebook", [False, True])
+def test_expanded_weight_is_the_decoded_levels(codebook):
+    """``expand_w4_int8``: the packed weight's INT8 levels in natural column order, every row written
+    (70 rows: a partial row tile), for both weight kinds."""
+    from lowbit.kernels.triton_w4_expand import expand_w4_int8
+
+    n, k = 70, 256
+    packed = _packed(n, k, seed=21)
+    s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(22)) * 60 + 4).to(FP8)
+    args = (s_rel, w4a8_level_table(CODEBOOK)) if codebook else (None, None)
+    out = expand_w4_int8(packed, *args, 16)
+    assert out.dtype == torch.int8 and out.shape == (n, k)
+    assert torch.equal(out, decode_w4_reference(packed, *args, 16))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        expand_w4_int8(_packed(4, 64, seed=1), None, None, 16)
+
+
+def _run_with_decision(fn, fmt: str, m: int, n: int, k: int, name: str):
+    """``fn()`` with the dispatcher's choice for ``fmt`` at this shape set to candidate ``name``."""
+    from lowbit.kernels.backend import capability
+    from lowbit.kernels.dispatch import DispatchKey, Dispatcher, m_bucket, use_dispatcher
+
+    key = DispatchKey(fmt, capability(torch.device("cpu")), m_bucket(m), n, k).as_str()
+    dispatcher = Dispatcher(measure=False, decisions={key: name})
+    with use_dispatcher(dispatcher):
+        out = fn()
+    assert dispatcher.last_choice == (key, name)
+    return out
+
+
+@needs_triton_interpreter()
+@pytest.mark.parametrize("kind", ["w4a8", "w4a4/a8", "w4a4/a4"])
+def test_expanded_candidate_gives_the_in_register_kernels_bits(kind):
+    """The ``triton:expand-`` candidate (weight expanded to INT8, then the W8A8 GEMM) sums the same int32
+    products as the in-register W4 GEMM and scales them in the same order: the same output, bit for bit."""
+    import comfy_kitchen as ck
+
+    from lowbit.kernels.gemm_config import default_config
+
+    m, n, k = 6, 40, 512
+    x = randn(m, k, seed=23, dtype=torch.bfloat16)
+    bias = randn(n, seed=24, dtype=torch.bfloat16)
+    if kind == "w4a8":
+        qdata, s_rel, s_channel, _, codebook = ck.quantize_w4a8_int8_weight(randn(n, k, seed=25) / k**0.5)
+
+        def fn():
+            return w4a8_linear(x, qdata, s_rel, s_channel, codebook, None, bias, out_dtype=torch.float32)
+    else:
+        qweight, wscales = _packed(n, k, seed=26), torch.rand(n, generator=torch.Generator().manual_seed(27)) + 0.5
+
+        def fn():
+            return w4a4_linear(x, qweight, wscales, bias, out_dtype=torch.float32, act_bits=int(kind[-1]))
+    in_register = _run_with_decision(fn, kind, m, n, k, f"triton:{default_config(m, 'w4').name}")
+    expanded = _run_with_decision(fn, kind, m, n, k, f"triton:expand-{default_config(m).name}")
+    assert torch.isfinite(expanded).all() and expanded.abs().max() > 0
+    assert torch.equal(expanded, in_register)
