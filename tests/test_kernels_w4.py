@@ -229,7 +229,9 @@ def _run_with_decision(fn, fmt: str, m: int, n: int, k: int, name: str):
 @pytest.mark.parametrize("kind", ["w4a8", "w4a4/a8", "w4a4/a4"])
 def test_expanded_candidate_gives_the_in_register_kernels_bits(kind):
     """The ``triton:expand-`` candidate (weight expanded to INT8, then the W8A8 GEMM) sums the same int32
-    products as the in-register W4 GEMM and scales them in the same order: the same output, bit for bit."""
+    products as the in-register W4 GEMM and scales them in the same order: the same output, bit for bit.
+    (The dispatcher offers it for codebook weights only, but a cached decision naming it runs it for
+    signed nibbles too: the bits must match there as well.)"""
     import comfy_kitchen as ck
 
     from lowbit.kernels.gemm_config import default_config
@@ -251,3 +253,15 @@ def test_expanded_candidate_gives_the_in_register_kernels_bits(kind):
     expanded = _run_with_decision(fn, kind, m, n, k, f"triton:expand-{default_config(m).name}")
     assert torch.isfinite(expanded).all() and expanded.abs().max() > 0
     assert torch.equal(expanded, in_register)
+
+
+@needs_triton_interpreter()
+def test_only_codebook_weights_are_offered_the_expansion():
+    from lowbit.kernels.w4_linear import EXPAND, _W4Plan
+
+    x, packed = randn(4, 512, seed=28), _packed(8, 512, seed=29)
+    s_rel = (torch.rand(8, 512 // 16, generator=torch.Generator().manual_seed(30)) * 60 + 4).to(FP8)
+    codebook = _W4Plan(x, packed, torch.ones(8), None, torch.float32, 256, 127, s_rel=s_rel).names()
+    nibbles = _W4Plan(x, packed, torch.ones(8), None, torch.float32, 256, 127).names()
+    assert any(name.startswith(EXPAND) for name in codebook)
+    assert not any(name.startswith(EXPAND) for name in nibbles) and any(n.startswith("triton:") for n in nibbles)
