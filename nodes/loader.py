@@ -22,8 +22,9 @@ from ..quant.errors import CheckpointFormatError, LowBitError
 from ..quant.policy import Policy
 from . import CATEGORY
 from .comfy_ops import KERNEL_BACKENDS, LowBitOpsConfig, default_dequantize_formats, lowbit_ops
-from .common import (AUTO, MODE_TOOLTIP, NATIVE, PRESET_TOOLTIP, RATIO_TOOLTIP, WEIGHT_DTYPES, NodeInputError,
-                     backend_options, make_policy, mode_options, preset_options, progress_bar, weight_dtype)
+from .common import (AUTO, KEEP_FLOAT_TOOLTIP, MODE_TOOLTIP, NATIVE, PRESET_TOOLTIP, RATIO_TOOLTIP, WEIGHT_DTYPES,
+                     NodeInputError, backend_options, make_policy, mode_options, preset_options, progress_bar,
+                     weight_dtype)
 from .model_quant import (INFO_ATTR, LowBitModelInfo, NotADiffusionModelError, quantize_in_place,
                           quantized_layers)
 
@@ -42,6 +43,7 @@ class LoadSettings:
     int4_mixed_ratio: float = 0.2
     backend: str = AUTO
     version: int = LOAD_SETTINGS_VERSION
+    keep_float: str = ""  # more keep-float regular expressions, one per line (as Quantize Model's input)
 
     def __post_init__(self):
         if self.version != LOAD_SETTINGS_VERSION:
@@ -54,7 +56,8 @@ class LoadSettings:
         self.policy()  # validates preset and ratio
 
     def policy(self) -> Policy | None:
-        return None if self.mode == NATIVE else make_policy(self.mode, self.preset, self.int4_mixed_ratio)
+        return None if self.mode == NATIVE else make_policy(self.mode, self.preset, self.int4_mixed_ratio,
+                                                            self.keep_float)
 
 
 def read_diffusion_state_dict(path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
@@ -186,13 +189,15 @@ class LowBitLoadDiffusionModel(io.ComfyNode):
                 io.Combo.Input("kernel_backend", options=backend_options(), default=AUTO, optional=True, advanced=True,
                                tooltip="Which kernels run the quantized layers. auto: the fastest available; "
                                "kitchen: comfy-kitchen's; eager: pure PyTorch (slow, for checking)."),
+                io.String.Input("keep_float", default="", multiline=True, optional=True,
+                                tooltip=KEEP_FLOAT_TOOLTIP + " Ignored in native mode."),
             ],
             outputs=[io.Model.Output(tooltip="The diffusion model, quantized layers running through LowBit.")],
         )
 
     @classmethod
     def execute(cls, unet_name: str, mode: str = NATIVE, weight_dtype: str = "default", preset: str = AUTO,
-                int4_mixed_ratio: float = 0.2, kernel_backend: str = AUTO) -> io.NodeOutput:
+                int4_mixed_ratio: float = 0.2, kernel_backend: str = AUTO, keep_float: str = "") -> io.NodeOutput:
         import folder_paths
 
         path = folder_paths.get_full_path("diffusion_models", unet_name)
@@ -200,6 +205,6 @@ class LowBitLoadDiffusionModel(io.ComfyNode):
             raise NodeInputError(f"diffusion model {unet_name!r} not found in models/diffusion_models; fix: put the "
                                  f"file there (or in a folder extra_model_paths.yaml lists) and refresh the node list.")
         settings = LoadSettings(mode=mode, weight_dtype=weight_dtype, preset=preset,
-                                int4_mixed_ratio=int4_mixed_ratio, backend=kernel_backend)
+                                int4_mixed_ratio=int4_mixed_ratio, backend=kernel_backend, keep_float=keep_float)
         model = load_lowbit_diffusion_model(path, settings, progress=progress_bar(f"quantizing {unet_name}"))
         return io.NodeOutput(model)

@@ -248,6 +248,12 @@ def test_loader_quantizes_while_loading_like_the_quantize_node(models_dir, float
     layer = in_bf16.model.diffusion_model.double_blocks[0].img_attn.qkv
     assert layer.weight.dtype == torch.bfloat16 and layer.lowbit_config.backend == "eager"
     assert sqnr_db(float_output, run_flux(in_bf16)) > 20.0
+    kept = _load("flux.safetensors", MODE, keep_float="(_mod|modulation)\\.lin$")
+    assert {name for name, _, _ in quantized_layers(kept)} == {
+        name for name, _, _ in quantized_layers(loaded) if not name.endswith("mod.lin") and "modulation" not in name}
+    assert torch.equal(run_flux(kept), run_flux(_quantize(float_model, keep_float="(_mod|modulation)\\.lin$")))
+    with pytest.raises(NodeInputError, match="keep_float pattern"):
+        _load("flux.safetensors", MODE, keep_float="img_mod(")
 
 
 def test_loader_reads_a_native_file_as_stock_comfyui_does(models_dir, float_output):
