@@ -233,14 +233,20 @@ class _W4Plan:
         return out.to(self.out_dtype)
 
 
-class _TritonW4Plan:
-    """The act-quant kernel (codes permuted for the nibble planes) + the W4 GEMM with one tile config."""
+class _TritonPlanBase:
+    """A Triton decision's steady-state call: ``plan(x2d, packed, w_scale, bias, s_rel, codebook, correction)``."""
 
     __slots__ = ("config", "qmax", "rot_group", "group_size", "out_dtype")
 
     def __init__(self, config, qmax, rot_group, group_size, out_dtype):
         self.config, self.qmax, self.rot_group, self.group_size, self.out_dtype = (config, qmax, rot_group,
                                                                                   group_size, out_dtype)
+
+
+class _TritonW4Plan(_TritonPlanBase):
+    """The act-quant kernel (codes permuted for the nibble planes) + the W4 GEMM with one tile config."""
+
+    __slots__ = ()
 
     def __call__(self, x, packed, w_scale, bias, s_rel, codebook, correction):
         from .triton_act_quant import act_quant_triton
@@ -259,14 +265,10 @@ class _TritonW4Plan:
 EXPAND = "triton:expand-"
 
 
-class _ExpandW4Plan:
+class _ExpandW4Plan(_TritonPlanBase):
     """The act-quant kernel (codes in natural order) + the weight expanded to INT8 + the W8A8 GEMM."""
 
-    __slots__ = ("config", "qmax", "rot_group", "group_size", "out_dtype")
-
-    def __init__(self, config, qmax, rot_group, group_size, out_dtype):
-        self.config, self.qmax, self.rot_group, self.group_size, self.out_dtype = (config, qmax, rot_group,
-                                                                                  group_size, out_dtype)
+    __slots__ = ()
 
     def __call__(self, x, packed, w_scale, bias, s_rel, codebook, correction):
         from .triton_act_quant import act_quant_triton
