@@ -5,8 +5,8 @@ INT8 matrix (the same levels the W4 GEMM decodes in registers, with the same ``_
 run the INT8 W8A8 GEMM on it. The temporary weight costs ``N * K`` bytes while the layer runs (66 MB
 for Flux's largest linear) and a read of the packed bytes plus a write of the levels; in exchange the
 GEMM is the fastest one LowBit has, with nothing to decode per row tile. comfy-kitchen runs its
-W4A8 format the same way (through cuBLAS). The dispatcher measures it against the in-register
-kernel; the in-register kernel is the one that never expands the weight.
+W4A8 format the same way (its own decode kernel, then its INT8 GEMM). The dispatcher measures it
+against the in-register kernel; the in-register kernel is the one that never expands the weight.
 
 Rows past ``N`` are not written. ``K`` must be a multiple of ``BLOCK_K`` (the 4-bit formats need
 ``K % 256 == 0`` anyway). The codebook's inline-PTX decode is checked against the gathers on the
