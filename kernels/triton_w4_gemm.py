@@ -290,15 +290,13 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     args = (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
             s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
             m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0))
-    check = ptx is None and codebook and constexprs["USE_PTX"]
-    if check and _ptx_checked.get(_variant_key(constexprs, config, a.device, out_dtype)) is None:
-        if torch.cuda.is_current_stream_capturing():  # no check inside a graph capture: gathers this once
-            constexprs["USE_PTX"] = False
-        else:
-            _check_ptx_codebook(args, constexprs, config, programs, out, (a, packed, out_dtype))
+    if ptx is None and codebook and constexprs["USE_PTX"]:
+        key = (a.device.index, config.name, out_dtype, tma_a, tma_w, tma_store, bias is not None, group_size)
+        verdict = _ptx_checked.get(key)
+        if verdict is None and not torch.cuda.is_current_stream_capturing():
+            _check_ptx_codebook(args, constexprs, config, programs, out, key)
             return out
-    elif check:
-        constexprs["USE_PTX"] = _ptx_checked[_variant_key(constexprs, config, a.device, out_dtype)]
+        constexprs["USE_PTX"] = bool(verdict)  # inside a graph capture, before any check: the gathers, this once
     _LAUNCHER.launch((programs,), args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -311,16 +309,12 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
 _ptx_checked: dict[tuple, bool] = {}
 
 
-def _variant_key(constexprs: dict, config: GemmConfig, device: torch.device, out_dtype: torch.dtype) -> tuple:
-    return (device.index, config.num_warps, config.num_stages, out_dtype,
-            tuple((name, value) for name, value in constexprs.items() if name != "USE_PTX"))
-
-
 def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, programs: int, out: torch.Tensor,
-                        problem: tuple) -> None:
+                        key: tuple) -> None:
     """Run the variant with the gather decode into ``out`` and with the PTX decode into a second
-    buffer; keep the verdict. ``args[2]`` (the output or its TMA descriptor) is rebuilt for the second run."""
-    a, packed, out_dtype = problem
+    buffer; keep the verdict under ``key`` (what selects the compiled variant: device, config, output
+    dtype, the TMA flags, bias, group size). ``args[2]`` (the output or its TMA descriptor) is rebuilt
+    for the second run."""
     gathers = dict(constexprs, USE_PTX=False)
     _LAUNCHER.launch((programs,), args, gathers, num_warps=config.num_warps, num_stages=config.num_stages)
     trial = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
@@ -334,7 +328,7 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, progr
         log.warning("LowBit: the in-register codebook decode disagrees with the table gathers for the W4 "
                     "GEMM config %s on this Triton; that config decodes with gathers (slower, same results)",
                     config.name)
-    _ptx_checked[_variant_key(constexprs, config, a.device, out_dtype)] = verdict
+    _ptx_checked[key] = verdict
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
