@@ -329,6 +329,16 @@ def run_fast(fast_key: tuple, *args) -> torch.Tensor | None:
     return out
 
 
+def fast_plan(fast_key: tuple):
+    """The steady-state plan registered for ``fast_key`` (``None``: none, a forced backend, or
+    ``torch.compile`` tracing), for fused variants of a linear that run its settled plan on other inputs
+    (``w8a8_linear.w8a8_prologue_linear``)."""
+    if active_backend() is not Backend.AUTO or _is_compiling():
+        return None
+    dispatcher = _current[-1] if _current else _default
+    return dispatcher.fast_plans.get(fast_key)
+
+
 def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
         make: Callable[[str], Callable[[], torch.Tensor]], reasons: Callable[[], Mapping[str, str]],
         fast_key: tuple | None = None, make_fast: Callable[[str], Callable | None] | None = None) -> torch.Tensor:

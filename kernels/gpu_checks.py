@@ -284,7 +284,7 @@ def verify(device: torch.device) -> list[str]:
               f"scale rel {((s - sr).abs() / sr).max().item():.1e}, near {near}")
 
     from ..quant.compiled_linear import gelu_input
-    from .triton_gelu_act_quant import gelu_act_quant_triton
+    from .prologue import GeluPrologue, NormModPrologue
 
     # [a | gelu(b)] (b a column slice, as Flux's single blocks): the GELU is ours, not torch's, so a
     # value may round to the neighbouring bf16 and its code move one step
@@ -294,12 +294,39 @@ def verify(device: torch.device) -> list[str]:
         b = wide[:, 9216:]
         a = (torch.randn(m, ka, device=device) * 3).to(torch.bfloat16) if ka else None
         dt = FP8 if fp8 else torch.int8
-        q, s = gelu_act_quant_triton(a, b, dt, 448.0 if fp8 else 127.0, approximate)
+        q, s, _ = act_quant_triton(GeluPrologue(b, a, approximate), dt, 448.0 if fp8 else 127.0, "none", 0, None,
+                                   False)
         qr, sr, _ = act_quant_reference(gelu_input(a, b, approximate), dt)
         diff = (q.float() - qr.float()).abs()
         frac = (diff > 0).float().mean().item()
         near = (diff <= qr.float().abs() * 0.125 + 2**-9).all().item() if fp8 else diff.max().item() <= 1
         check(f"gelu act_quant m={m} ka={ka} kb={kb} {approximate} {'fp8' if fp8 else 'int8'}",
+              bool(torch.isfinite(q.float()).all()) and frac < 1e-3 and near and torch.allclose(s, sr, rtol=2**-7),
+              f"codes differing {frac:.2e}, max {diff.max().item():.3g}, scale rel {((s - sr).abs() / sr).max().item():.1e}")
+
+    # the prologues against the same kernel on the materialized input (torch's GELU, layer_norm, addcmul):
+    # tanh's or the row variance's last bit may move a value to the neighbouring bf16, and its code a step
+    for m, k, rotation, group, fp8, batches, gelu in [
+            (4096, 3072, "none", 0, True, 1, False), (4608, 3072, "regular", 256, False, 1, False),
+            (600, 3072, "sylvester", 128, False, 2, False), (77, 5000, "none", 0, False, 1, False),
+            (4608, 15360, "regular", 256, False, 1, True), (300, 15360, "none", 0, True, 1, True)]:
+        dt, qmax = (FP8, 448.0) if fp8 else (torch.int8, 127.0)
+        if gelu:
+            wide = (torch.randn(m, 9216 + k - 3072, device=device) * 2).to(torch.bfloat16)
+            p = GeluPrologue(wide[:, 9216:], (torch.randn(m, 3072, device=device) * 3).to(torch.bfloat16), "tanh")
+        else:
+            x = (torch.randn(m, k, device=device) * 3 + 0.5).to(torch.bfloat16)
+            mult = (1 + 0.3 * torch.randn(batches, k, device=device)).to(torch.bfloat16)
+            shift = (0.5 * torch.randn(batches, k, device=device)).to(torch.bfloat16)
+            p = NormModPrologue(x, 1e-6, mult, shift, m // batches if batches > 1 else 0)
+        q, s, _ = act_quant_triton(p, dt, qmax, rotation, group, None, False)
+        qr, sr, _ = act_quant_triton(p.materialize(), dt, qmax, rotation, group, None, False, split="pow2")
+        diff = (q.float() - qr.float()).abs()
+        frac = (diff > 0).float().mean().item()
+        # e4m3: one step (an eighth of the value), or any sign of a value within the subnormals (below
+        # 2^-6 code units: where shift + norm * mult nearly cancels, its last bit can flip the sign)
+        near = (diff <= qr.float().abs() * 0.125 + 2**-5).all().item() if fp8 else diff.max().item() <= 1
+        check(f"prologue {type(p).__name__} m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'}",
               bool(torch.isfinite(q.float()).all()) and frac < 1e-3 and near and torch.allclose(s, sr, rtol=2**-7),
               f"codes differing {frac:.2e}, max {diff.max().item():.3g}, scale rel {((s - sr).abs() / sr).max().item():.1e}")
 

@@ -55,9 +55,11 @@ import triton.language as tl
 
 from .backend import interpreting
 from .launcher import TritonLauncher
+from .prologue import GeluPrologue, NormModPrologue
 from .reference import FP8
-from .triton_act_quant_parts import (ROTATE_IMPLS, _dot_fp16, _no_mean, _pow2_at_least, _rotate_superblocks,
-                                     _rotation_operands, _round_in, _round_to_e4m3, _rint, _row_scales)
+from .triton_act_quant_parts import (GELU_APPROXIMATIONS, ROTATE_IMPLS, SRC_ROUNDING, _dot_fp16, _no_mean,
+                                     _pow2_at_least, _prologue_rows, _rotate_superblocks, _rotation_operands, _round_in,
+                                     _round_to_e4m3, _rint, _row_scales)
 from .triton_act_quant_split import act_quant_split
 
 MAX_BLOCK_K = 32768  # rows wider than this use the eager reference
@@ -81,12 +83,14 @@ def default_split(k: int, rotate: bool) -> str:
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, outlier_ptr,
-    M, K, R, stride_xm, stride_qm, qmax, rot_norm,
+    x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, outlier_ptr, aux_ptr, shift_ptr,
+    M, K, R, stride_xm, stride_qm, qmax, rot_norm, KA, stride_am, rows_per_batch, stride_mb, stride_sb, eps,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr,
     OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+    PROLOGUE: tl.constexpr, APPROX: tl.constexpr, HAS_A: tl.constexpr, HAS_MULT: tl.constexpr,
+    HAS_SHIFT: tl.constexpr, SRC_ROUND: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,8 +98,13 @@ def _act_quant_kernel(
     row_ok = rows < M
     col_ok = cols < K
     mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    if PROLOGUE == 0:
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+    else:  # the input computed from its sources (kernels/prologue.py), never stored
+        x = _prologue_rows(x_ptr, aux_ptr, shift_ptr, rows, cols, row_ok, K, KA, stride_xm, stride_am,
+                           rows_per_batch, stride_mb, stride_sb, eps, PROLOGUE, APPROX, HAS_A, HAS_MULT, HAS_SHIFT,
+                           SRC_ROUND)
     if HAS_SMOOTH:
         smooth = tl.load(smooth_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         x = x * smooth[None, :]
@@ -202,6 +211,10 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
+    ``x`` may instead be a prologue (``kernels/prologue.py``: ``[a | gelu(b)]``, or ``shift +
+    layer_norm(x) * mult``): the rows are computed from its sources in registers and quantized as
+    ``prologue.materialize()`` would be (the ``"pow2"`` split, no outlier columns).
+
     ``out`` (tests: a poisoned buffer) receives the codes when given; ``tile_elements`` and
     ``num_warps`` override the program size (benchmark sweeps). ``outlier_index`` (int32 ``[r]``,
     FP8 without pre-processing only): the codes are ``[M, K + 2r]`` as
@@ -225,7 +238,13 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     * ``max_registers``: the compiler's register cap per thread (``maxnreg``: more programs per SM,
       perhaps spills).
     """
+    prologue = x if isinstance(x, (GeluPrologue, NormModPrologue)) else None
     m, k = x.shape
+    if prologue is not None:
+        x = prologue.source
+        if split not in (None, "pow2") or outlier_index is not None:
+            raise ValueError("a prologue input is quantized by the split='pow2' kernel, without outlier columns")
+        split = "pow2"
     if x.stride(-1) != 1:
         x = x.contiguous()
     rotate = rotation != "none"
@@ -254,18 +273,55 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     q = torch.empty((m, k + 2 * r), dtype=out_dtype, device=x.device) if out is None else out
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     mean = torch.empty((m, 1), dtype=torch.float32, device=x.device) if center else _no_mean(x.device, m)
+    if m == 0:
+        return q, scale, mean
     pmat, qmat, hmat, norm, two_stage = _rotation_operands(rotation, group_size, rotate_impl, x.device, scale)
+    pro_args, pro_flags = _prologue_arguments(prologue, scale)
     _LAUNCHER.launch(
         (programs,),
         (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat, hmat,
-         outlier_index if r else scale, m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm)),
+         outlier_index if r else scale, *pro_args[:2], m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm),
+         *pro_args[2:]),
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
              ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
-             R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting()),
+             R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting(),
+             **pro_flags),
         **(dict(num_warps=num_warps) if max_registers is None else dict(num_warps=num_warps, maxnreg=max_registers)),
     )
     return q, scale, mean
+
+
+def _src_rounding(t: torch.Tensor) -> int:
+    if t.dtype == torch.bfloat16:
+        return SRC_ROUNDING["bf16" if t.is_cuda and not interpreting() else "bf16_by_hand"]
+    return SRC_ROUNDING["fp16" if t.dtype == torch.float16 else "fp32"]
+
+
+def _unit_columns(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _prologue_arguments(prologue, unused: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernel's prologue arguments: ``(aux, shift, KA, stride_am, rows_per_batch, stride_mb, stride_sb,
+    eps)`` and the constexpr flags (all off without a prologue)."""
+    if prologue is None:
+        return (unused, unused, 0, 0, 1, 0, 0, 0.0), dict(PROLOGUE=0, APPROX=0, HAS_A=False, HAS_MULT=False,
+                                                            HAS_SHIFT=False, SRC_ROUND=0)
+    if isinstance(prologue, GeluPrologue):
+        a = _unit_columns(prologue.a)
+        return ((unused if a is None else a, unused, 0 if a is None else a.shape[1], 0 if a is None else a.stride(0),
+                 1, 0, 0, 0.0),
+                dict(PROLOGUE=1, APPROX=GELU_APPROXIMATIONS[prologue.approximate], HAS_A=a is not None,
+                     HAS_MULT=False, HAS_SHIFT=False, SRC_ROUND=_src_rounding(prologue.b)))
+    mult, shift = _unit_columns(prologue.mult), _unit_columns(prologue.shift)
+
+    def batch_stride(t):
+        return 0 if t is None or t.shape[0] == 1 else t.stride(0)
+    return ((unused if mult is None else mult, unused if shift is None else shift, 0, 0,
+             max(1, prologue.rows_per_batch), batch_stride(mult), batch_stride(shift), float(prologue.eps)),
+            dict(PROLOGUE=2, APPROX=0, HAS_A=False, HAS_MULT=mult is not None, HAS_SHIFT=shift is not None,
+                 SRC_ROUND=_src_rounding(prologue.x)))
 
 
 _LAUNCHER = TritonLauncher(_act_quant_kernel)

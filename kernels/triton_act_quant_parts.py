@@ -138,6 +138,77 @@ def _rotate_superblocks(x, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, SB: tl.conste
     return w
 
 
+GELU_APPROXIMATIONS = {"none": 0, "tanh": 1}  # the kernels' APPROX
+#: the kernels' SRC_ROUND: how a prologue rounds what it computes to the input dtype (see _round_to_src)
+SRC_ROUNDING = {"fp32": 0, "bf16_by_hand": 1, "bf16": 2, "fp16": 3}
+
+
+@triton.jit
+def _gelu(x, APPROX: tl.constexpr):
+    """GELU of fp32 ``x``: ``APPROX`` 1 is tanh's, as ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``
+    (the same function as ``0.5 x (1 + tanh(u))``, one exponential); 0 is ``0.5 x (1 + erf(x / sqrt(2)))``."""
+    if APPROX == 1:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return x / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))  # e^80: the quotient is 0 already
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _round_to_src(x, SRC_ROUND: tl.constexpr):
+    """fp32 ``x`` rounded to the input dtype (nearest-even) and back: the value the unfused graph stores.
+    1: bf16 by hand (the CPU interpreter's bf16 cast truncates); 2: bf16 cast; 3: fp16 cast; 0: as is."""
+    if SRC_ROUND == 1:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    elif SRC_ROUND == 2:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    elif SRC_ROUND == 3:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _prologue_rows(x_ptr, aux_ptr, shift_ptr, rows, cols, row_ok, K, KA, stride_xm, stride_am, rows_per_batch,
+                   stride_mb, stride_sb, eps, PROLOGUE: tl.constexpr, APPROX: tl.constexpr, HAS_A: tl.constexpr,
+                   HAS_MULT: tl.constexpr, HAS_SHIFT: tl.constexpr, SRC_ROUND: tl.constexpr):
+    """``[BLOCK_M, BLOCK_K]`` fp32 rows of a prologue input (``kernels/prologue.py``), zero outside ``K``.
+
+    PROLOGUE 1 (``[a | gelu(b)]``): ``x_ptr`` is ``b`` (``K - KA`` columns), ``aux_ptr`` is ``a`` (``KA``).
+    PROLOGUE 2 (``shift + layer_norm(x) * mult``): ``aux_ptr`` is ``mult``, ``shift_ptr`` is ``shift``,
+    both one row per batch element of ``rows_per_batch`` rows (batch strides ``stride_mb``/``stride_sb``,
+    0 for a single row shared by all)."""
+    col_ok = cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    row_off = rows[:, None].to(tl.int64)
+    if PROLOGUE == 1:
+        in_b = (cols >= KA) & col_ok
+        xb = tl.load(x_ptr + row_off * stride_xm + (cols - KA)[None, :], mask=row_ok[:, None] & in_b[None, :],
+                     other=0.0)
+        x = _round_to_src(_gelu(xb.to(tl.float32), APPROX), SRC_ROUND)
+        if HAS_A:
+            in_a = cols < KA
+            xa = tl.load(aux_ptr + row_off * stride_am + cols[None, :], mask=row_ok[:, None] & in_a[None, :],
+                         other=0.0)
+            x = tl.where(in_a[None, :], xa.to(tl.float32), x)
+    else:
+        x = tl.load(x_ptr + row_off * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / K
+        d = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / K + eps)
+        x = _round_to_src(d * rstd[:, None], SRC_ROUND)
+        if HAS_MULT or HAS_SHIFT:
+            batch = (rows // rows_per_batch).to(tl.int64)[:, None]
+            if HAS_MULT:
+                mult = tl.load(aux_ptr + batch * stride_mb + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = x * mult
+            if HAS_SHIFT:
+                shift = tl.load(shift_ptr + batch * stride_sb + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = x + shift
+            x = _round_to_src(x, SRC_ROUND)
+    return tl.where(mask, x, 0.0)
+
+
 @triton.jit
 def _row_scales(amax, qmax, scale_ptr, rows, row_ok, BLOCK_M: tl.constexpr):
     """Store each row's scale ``max(amax, floor) / qmax`` and return ``qmax / max(amax, floor)``, both

@@ -94,10 +94,33 @@ def w4a8_linear(x: torch.Tensor, qdata: torch.Tensor, s_rel: torch.Tensor, s_cha
 
 def _fast_key(fmt, x2d, packed, w_scale, bias, out_dtype, rot_group, s_rel, codebook, correction, group_size) -> tuple:
     """Everything the dispatcher's choice and the chosen plan depend on (cheap to build: no strings)."""
-    m, k = x2d.shape
+    return _key(fmt, x2d.shape[0], x2d.shape[1], x2d.dtype, x2d.device, packed, w_scale, bias, out_dtype, rot_group,
+                s_rel, codebook, correction, group_size)
+
+
+def _key(fmt, m, k, x_dtype, device, packed, w_scale, bias, out_dtype, rot_group, s_rel, codebook, correction,
+         group_size) -> tuple:
     return (fmt, rot_group, group_size, dispatch.m_bucket(m), packed.shape[0], k, packed.shape[1], packed.dtype,
-            x2d.dtype, out_dtype, x2d.device, None if bias is None else bias.dtype, w_scale.numel(),
+            x_dtype, out_dtype, device, None if bias is None else bias.dtype, w_scale.numel(),
             None if s_rel is None else (s_rel.dtype, s_rel.shape), codebook is None, correction is None)
+
+
+def w4_prologue_linear(fmt: str, prologue, packed: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype, rot_group: int, s_rel: torch.Tensor | None = None,
+                       codebook: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+                       group_size: int = 0) -> torch.Tensor | None:
+    """``linear(prologue.materialize())`` of a 4-bit weight with the prologue (``kernels/prologue.py``)
+    computed inside the activation quantization, where the dispatcher settled the unfused call (``fmt``:
+    ``"w4a4/a4"``, ``"w4a4/a8"`` or ``"w4a8"``; arguments as :func:`w4a4_linear` / :func:`w4a8_linear`)
+    on our Triton plans, which it then runs; ``None`` otherwise (see ``w8a8_linear.w8a8_prologue_linear``)."""
+    m, k = prologue.shape
+    src = prologue.source
+    key = _key(fmt, m, k, src.dtype, src.device, packed, w_scale, bias, out_dtype, rot_group, s_rel, codebook,
+               correction, group_size)
+    plan = dispatch.fast_plan(key)
+    if not isinstance(plan, _TritonPlanBase):
+        return None
+    return plan(prologue, packed, w_scale, bias, s_rel, codebook, correction)
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, convrot_groupsize: int, fmt: str) -> tuple[torch.Tensor, int]:
@@ -234,7 +257,8 @@ class _W4Plan:
 
 
 class _TritonPlanBase:
-    """A Triton decision's steady-state call: ``plan(x2d, packed, w_scale, bias, s_rel, codebook, correction)``."""
+    """A Triton decision's steady-state call: ``plan(x2d, packed, w_scale, bias, s_rel, codebook, correction)``
+    (``x2d`` may be a prologue: the act-quant kernel computes it from its sources)."""
 
     __slots__ = ("config", "qmax", "rot_group", "group_size", "out_dtype")
 
@@ -258,7 +282,7 @@ class _TritonW4Plan(_TritonPlanBase):
             packed = packed.view(torch.int8)
         if w_scale.dtype != torch.float32 or not w_scale.is_contiguous():
             w_scale = w_scale.reshape(-1).float()
-        table = level_table(codebook, x.device) if s_rel is not None else None
+        table = level_table(codebook, q.device) if s_rel is not None else None
         return w4a8_mm_triton(q, packed, scale, w_scale, bias, s_rel, table, self.group_size, self.out_dtype, config)
 
 
@@ -278,6 +302,6 @@ class _ExpandW4Plan(_TritonPlanBase):
         q, scale, _ = act_quant_triton(x, torch.int8, self.qmax, "regular", self.rot_group, None, False, 0)
         if w_scale.dtype != torch.float32 or not w_scale.is_contiguous():
             w_scale = w_scale.reshape(-1).float()
-        table = level_table(codebook, x.device) if s_rel is not None else None
+        table = level_table(codebook, q.device) if s_rel is not None else None
         levels = expand_w4_int8(packed, s_rel, table, self.group_size)
         return w8a8_mm_triton(q, levels, scale, w_scale, bias, None, None, self.out_dtype, self.config)

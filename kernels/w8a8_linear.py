@@ -85,9 +85,14 @@ def w8a8_fast_key(fmt: str, x2d: torch.Tensor, weight: torch.Tensor, weight_scal
                   bias: torch.Tensor | None, out_dtype: torch.dtype, rotation: str, group_size: int,
                   smooth: torch.Tensor | None, center_rowsum: torch.Tensor | None) -> tuple:
     """Everything the dispatcher's choice and the chosen plan depend on (cheap to build: no strings)."""
-    m, k = x2d.shape
+    return _fast_key(fmt, x2d.shape[0], x2d.shape[1], x2d.dtype, x2d.device, weight, weight_scale, bias, out_dtype,
+                     rotation, group_size, smooth, center_rowsum)
+
+
+def _fast_key(fmt, m, k, x_dtype, device, weight, weight_scale, bias, out_dtype, rotation, group_size, smooth,
+              center_rowsum) -> tuple:
     return (fmt, rotation, group_size, smooth is None, center_rowsum is None, dispatch.m_bucket(m), weight.shape[0],
-            k, weight.shape[1], x2d.dtype, out_dtype, weight.dtype, x2d.device, None if bias is None else bias.dtype,
+            k, weight.shape[1], x_dtype, out_dtype, weight.dtype, device, None if bias is None else bias.dtype,
             weight_scale.numel(), weight_scale.dtype, weight_scale.is_contiguous())
 
 
@@ -149,10 +154,14 @@ def _fast_plan(name: str, x2d: torch.Tensor, weight_scale: torch.Tensor, out_dty
     (with outlier columns: ``plan(x2d, weight, weight_scale, bias, outlier_index)``)."""
     if pre.outliers:
         return _fast_outlier_plan(name, weight_scale, out_dtype)
+    scale_as_is = weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
     if name.startswith("triton:"):
         return _TritonW8A8Plan(config_named(name.split(":", 1)[1]), pre.rotation, pre.group_size,
-                               pre.center_rowsum is not None, fp8, out_dtype,
-                               scale_as_is=weight_scale.dtype == torch.float32 and weight_scale.is_contiguous())
+                               pre.center_rowsum is not None, fp8, out_dtype, scale_as_is)
+    if name == "torch" and x2d.is_cuda and not interpreting() and _act_quant_runs(x2d, pre, fp8):
+        # what _Plan._torch_mm runs on a GPU (elsewhere it quantizes with the eager reference)
+        return _TritonW8A8Plan(None, pre.rotation, pre.group_size, pre.center_rowsum is not None, fp8, out_dtype,
+                               scale_as_is)
     rotation, group_size = pre.rotation, pre.group_size
 
     def plan(x, weight, weight_scale, bias, smooth, center_rowsum):  # any other decision: its full candidate
@@ -189,8 +198,18 @@ class _TritonOutlierPlan:
         return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, self.out_dtype, self.config)
 
 
+def _act_quant_runs(x2d: torch.Tensor, pre: Preprocess, fp8: bool) -> bool:
+    """Whether our act-quant kernel takes calls like this one (what ``_Plan._torch_mm`` runs it for)."""
+    from .triton_act_quant import act_quant_problem
+
+    return (triton_problem(x2d.device, needs_fp8=fp8) is None
+            and act_quant_problem(x2d.shape[1], pre.rotation, pre.group_size) is None)
+
+
 class _TritonW8A8Plan:
-    """Our act-quant kernel + our GEMM with one tile config: two launches and three allocations."""
+    """Our act-quant kernel + our GEMM with one tile config (``config`` None: ``torch._int_mm`` /
+    ``torch._scaled_mm`` and the epilogue, the ``torch`` decision on a GPU): two launches and three
+    allocations. ``x`` may be a prologue (``kernels/prologue.py``): the act-quant kernel computes it."""
 
     __slots__ = ("config", "rotation", "group_size", "center", "code_dtype", "qmax", "out_dtype", "scale_as_is")
 
@@ -206,48 +225,35 @@ class _TritonW8A8Plan:
         q, scale, mean = act_quant_triton(x, self.code_dtype, self.qmax, self.rotation, self.group_size, smooth,
                                           self.center)
         w_scale = weight_scale if self.scale_as_is else weight_scale.reshape(-1).float()
-        if self.center:
-            return w8a8_mm_triton(q, weight, scale, w_scale, bias, mean, center_rowsum.float(), self.out_dtype,
-                                  self.config)
-        return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, self.out_dtype, self.config)
+        shift = (mean, center_rowsum.float()) if self.center else (None, None)
+        if self.config is None:
+            return torch_scaled_mm(q, weight, scale, w_scale, bias, *shift, self.out_dtype)
+        return w8a8_mm_triton(q, weight, scale, w_scale, bias, *shift, self.out_dtype, self.config)
 
 
-def w8a8_gelu_linear(fmt: str, a: torch.Tensor | None, b: torch.Tensor, weight: torch.Tensor,
-                     weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                     approximate: str = "tanh") -> torch.Tensor | None:
-    """``linear(cat([a, gelu(b)], -1))`` of a plain W8A8 weight (no pre-processing) with the GELU and the
-    concatenation fused into the activation quantization (``triton_gelu_act_quant.py``), or ``None``.
+def w8a8_prologue_linear(fmt: str, prologue, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype, rotation: str = "none", group_size: int = 0,
+                         smooth: torch.Tensor | None = None, center_rowsum: torch.Tensor | None = None
+                         ) -> torch.Tensor | None:
+    """``linear(prologue.materialize())`` with the prologue (``kernels/prologue.py``: ``[a | gelu(b)]`` or
+    ``shift + layer_norm(x) * mult``) computed inside the activation quantization, or ``None``.
 
-    ``a`` ``[M, Ka]`` (or ``None``), ``b`` ``[M, Kb]``. It runs where the dispatcher has already settled
-    the unfused call of ``fmt`` with these shapes on our act-quant and a GEMM that takes its codes: a
-    ``triton:<config>`` GEMM (that config) or ``torch`` (``torch._int_mm`` / ``_scaled_mm``). ``None``
-    (the caller runs the unfused linear, which measures and decides) otherwise: no decision yet,
-    comfy-kitchen or dequantize won, a backend is forced, or the kernel cannot take the rows.
+    Arguments as :func:`w8a8_linear_fast`'s, the input given by its sources. It runs where the dispatcher
+    has already settled the unfused call (same format, pre-processing and shapes) on our act-quant
+    kernel and a GEMM that takes its codes (a ``triton:<config>`` GEMM, or on a GPU ``torch._int_mm`` /
+    ``_scaled_mm``), and runs that very plan: the same codes, so the same bits, up to the last bit of
+    the GELU's ``tanh`` or the row variance. ``None`` (the caller runs the unfused linear, which
+    measures and decides) otherwise: no settled plan yet, comfy-kitchen or dequantize won, a backend is
+    forced, ``torch.compile`` is tracing.
     """
-    from .triton_gelu_act_quant import gelu_act_quant_problem
-
-    k = b.shape[1] + (0 if a is None else a.shape[1])
-    if weight.dtype not in (torch.int8, FP8) or weight.shape[1] != k or weight_scale.numel() not in (1, weight.shape[0]):
+    m, k = prologue.shape
+    src = prologue.source
+    key = _fast_key(fmt, m, k, src.dtype, src.device, weight, weight_scale, bias, out_dtype, rotation, group_size,
+                    smooth, center_rowsum)
+    plan = dispatch.fast_plan(key)
+    if not isinstance(plan, _TritonW8A8Plan):
         return None
-    if gelu_act_quant_problem(k, approximate) is not None:
-        return None
-    if not (b.is_cuda or interpreting()) or triton_problem(b.device, needs_fp8=weight.dtype == FP8 and b.is_cuda):
-        return None
-    name = dispatch.decision(fmt, b.device, b.shape[0], weight.shape[0], k)
-    if name is None or not (name.startswith("triton:") or name == "torch"):
-        return None
-    from .triton_gelu_act_quant import gelu_act_quant_triton
-
-    fp8 = weight.dtype == FP8
-    q, scale = gelu_act_quant_triton(a, b, FP8 if fp8 else torch.int8, FP8_MAX if fp8 else INT8_MAX, approximate)
-    w_scale = weight_scale.reshape(-1)
-    if w_scale.dtype != torch.float32:
-        w_scale = w_scale.float()
-    if name == "torch":
-        return torch_scaled_mm(q, weight, scale, w_scale, bias, None, None, out_dtype)
-    from .triton_w8a8_gemm import w8a8_mm_triton
-
-    return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, out_dtype, config_named(name.split(":", 1)[1]))
+    return plan(prologue, weight, weight_scale, bias, smooth, center_rowsum)
 
 
 def triton_gemm_names(device: torch.device, m: int, k: int, fp8: bool) -> list[str]:

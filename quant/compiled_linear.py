@@ -276,24 +276,20 @@ def _quantized_linear_gelu_impl(a: torch.Tensor | None, b: torch.Tensor, qdata: 
 
 
 def _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate) -> torch.Tensor | None:
-    """The GELU fused into the activation quantization, where the weight is a plain W8A8 one and the
-    dispatcher settled the unfused call on a GEMM that takes our codes (``None`` otherwise)."""
-    from ..kernels.w8a8_linear import w8a8_gelu_linear
+    """The GELU (and the concatenation) computed inside the activation quantization
+    (``FormatCodec.prologue_linear``), where the format has such a path and the dispatcher settled the
+    unfused call on kernels that take it (``None`` otherwise)."""
+    from ..kernels.prologue import GeluPrologue
     from .formats import get_format
 
     if a is not None and (a.shape[:-1] != b.shape[:-1] or a.dtype != b.dtype):
         return None
     parsed = parse_spec(spec)
     weight = rebuild_weight(qdata, list(param_tensors), parsed, dtype=b.dtype)
-    features = b.shape[-1] + (0 if a is None else a.shape[-1])
-    plain = get_format(parsed.format_name).plain_w8a8(b.new_empty((0, features)), weight)  # no data: the checks
-    if plain is None:
-        return None
-    fmt, codes, scale = plain
     if bias is not None and bias.dtype != b.dtype:
         bias = bias.to(b.dtype)
-    out = w8a8_gelu_linear(fmt, None if a is None else a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]),
-                           codes, scale, bias, b.dtype, approximate)
+    prologue = GeluPrologue(b.reshape(-1, b.shape[-1]), None if a is None else a.reshape(-1, a.shape[-1]), approximate)
+    out = get_format(parsed.format_name).prologue_linear(prologue, weight, bias)
     return None if out is None else out.reshape(*b.shape[:-1], out.shape[-1])
 
 

@@ -1,9 +1,10 @@
 """GELU fused into the activation quantization of compiled quantized linears (issue 6).
 
-``kernels/triton_gelu_act_quant.py`` (Triton interpreter): the codes of ``[a | gelu(b)]`` equal the
-reference quantization of the materialized input, for both GELUs, INT8 and e4m3, with and without
+The act-quant kernel's GELU prologue (``kernels/prologue.py``, Triton interpreter): the codes of
+``[a | gelu(b)]`` equal the reference quantization of the materialized input, for both GELUs, INT8 and e4m3, with and without
 ``a``, ``b`` a column slice of a wider tensor. ``lowbit::quantized_linear_gelu`` passes ``opcheck``,
-runs the fused kernel only where the dispatcher settled a Triton GEMM for the unfused call, and
+runs the fused kernel only where the dispatcher settled the unfused call on our act-quant and a GEMM
+that takes its codes, and
 otherwise computes exactly the unfused linear. ``quant/compile_fusion.py`` rewrites the MLP and Flux
 single-block patterns under ``torch.compile`` (and nothing else); the compiled output equals eager.
 """
@@ -16,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels_helpers import needs_triton_interpreter, randn
-from lowbit.kernels import dispatch, triton_gelu_act_quant
+from lowbit.kernels import dispatch, triton_act_quant
 from lowbit.kernels.gemm_config import default_config
 from lowbit.kernels.reference import FP8, FP8_MAX, INT8_MAX, act_quant_reference
-from lowbit.kernels.triton_gelu_act_quant import gelu_act_quant_problem, gelu_act_quant_triton
+from lowbit.kernels.prologue import GeluPrologue, PrologueError
+from lowbit.kernels.triton_act_quant import act_quant_problem, act_quant_triton
 from lowbit.kernels.triton_w8a8_gemm import w8a8_mm_triton
-from lowbit.kernels.w8a8_linear import torch_scaled_mm
 from lowbit.quant.compile_fusion import GeluLinearFusion, supported
 from lowbit.quant.compiled_linear import (gelu_input, op_arguments, quantized_linear, quantized_linear_gelu_op)
 from lowbit.quant.formats import FORMATS
@@ -45,7 +46,7 @@ def test_gelu_act_quant_equals_the_reference_of_the_materialized_input(ka, appro
     out_dtype, qmax = (torch.int8, INT8_MAX) if code == "int8" else (FP8, FP8_MAX)
     a, b = _inputs(7, ka, KB, seed=3)
     assert b.stride(0) != b.shape[1]
-    q, scale = gelu_act_quant_triton(a, b, out_dtype, qmax, approximate)
+    q, scale, _ = act_quant_triton(GeluPrologue(b, a, approximate), out_dtype, qmax, "none", 0, None, False)
     x = gelu_input(a, b, approximate)
     g = F.gelu(b, approximate=approximate)
     assert torch.equal(x, g if a is None else torch.cat([a, g], -1))
@@ -56,13 +57,13 @@ def test_gelu_act_quant_equals_the_reference_of_the_materialized_input(ka, appro
     assert torch.equal(scale, ref_scale)
 
 
-def test_gelu_act_quant_refuses_what_it_cannot_take():
-    assert gelu_act_quant_problem(256, "sigmoid") is not None
-    assert gelu_act_quant_problem(1 << 16, "tanh") is not None
-    assert gelu_act_quant_problem(15360, "tanh") is None
-    with pytest.raises(ValueError, match="same rows"):
-        gelu_act_quant_triton(torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.bfloat16),
-                              torch.int8, INT8_MAX)
+def test_gelu_prologue_refuses_what_it_cannot_take():
+    with pytest.raises(PrologueError, match="sigmoid"):
+        GeluPrologue(torch.zeros(2, 4, dtype=torch.bfloat16), None, "sigmoid")
+    assert act_quant_problem(1 << 16, "none", 0) is not None
+    assert act_quant_problem(15360, "none", 0) is None
+    with pytest.raises(PrologueError, match="same rows"):
+        GeluPrologue(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16))
 
 
 def _gelu_op_args(fmt: str, layer: QuantLinear, a, b, approximate="tanh"):
@@ -91,30 +92,29 @@ def test_fused_op_runs_the_kernel_with_the_decided_gemm(fmt, monkeypatch):
     key_fmt = "int8" if fmt == "int8" else "fp8_rowwise"
     key = dispatch.DispatchKey(key_fmt, (0, 0), dispatch.m_bucket(m), N, KA + KB).as_str()
     calls = []
-    real = triton_gelu_act_quant.gelu_act_quant_triton
-    monkeypatch.setattr(triton_gelu_act_quant, "gelu_act_quant_triton", lambda *a_, **k: calls.append(1) or real(*a_, **k))
+    real = triton_act_quant.act_quant_triton
+    monkeypatch.setattr(triton_act_quant, "act_quant_triton",
+                        lambda x, *a_, **k: calls.append(isinstance(x, GeluPrologue)) or real(x, *a_, **k))
     args = _gelu_op_args(fmt, layer, a, b)
+
+    def run_twice():  # the unfused first call settles the plan the fused second call runs
+        quantized_linear_gelu_op(*args)
+        calls.clear()
+        return quantized_linear_gelu_op(*args)
+
     with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions={key: f"triton:{config.name}"})):
-        out = quantized_linear_gelu_op(*args)
-    assert calls == [1]
+        out = run_twice()
+    assert calls == [True]
     codes, w_scale = layer.weight._qdata, layer.weight._params.scale
     code_dtype, qmax = (torch.int8, INT8_MAX) if fmt == "int8" else (FP8, FP8_MAX)
     q, scale, _ = act_quant_reference(gelu_input(a, b, "tanh"), code_dtype, qmax)
     expected = w8a8_mm_triton(q, codes, scale, w_scale.reshape(-1).float(), layer.bias, None, None, torch.bfloat16,
                               config)
     assert torch.equal(out, expected)
-    if fmt == "int8":  # torch._int_mm on our codes (FP8's _scaled_mm needs a GPU)
-        with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions={key: "torch"})):
-            out = quantized_linear_gelu_op(*args)
-        assert calls == [1, 1]
-        assert torch.equal(out, torch_scaled_mm(q, codes, scale, w_scale.reshape(-1).float(), layer.bias, None, None,
-                                                torch.bfloat16))
-        calls.pop()
     # a decision whose GEMM does not take our codes (dequantize): the unfused linear, no fused kernel
     with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions={key: "dequant"})):
-        assert torch.equal(quantized_linear_gelu_op(*args),
-                           quantized_linear(fmt, gelu_input(a, b, "tanh"), layer.weight, layer.bias))
-    assert calls == [1]
+        assert torch.equal(run_twice(), quantized_linear(fmt, gelu_input(a, b, "tanh"), layer.weight, layer.bias))
+    assert True not in calls
 
 
 class Block(torch.nn.Module):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, dequantize_args, register_layout_op
@@ -52,6 +52,31 @@ class FormatSpec:
         if n % self.out_features_multiple:
             return f"{self.name} needs out_features divisible by {self.out_features_multiple}, got {n}"
         return None
+
+
+class W8A8Form(NamedTuple):
+    """A weight as LowBit's W8A8 kernels take it (``kernels/w8a8_linear.py``)."""
+
+    fmt: str  # dispatch format: "int8" or "fp8_rowwise"
+    codes: torch.Tensor  # int8 / e4m3 [N, K]
+    scale: torch.Tensor  # [N] / [N, 1] / scalar
+    rotation: str = "none"
+    group_size: int = 0
+    smooth: torch.Tensor | None = None
+    center_rowsum: torch.Tensor | None = None
+
+
+class W4Form(NamedTuple):
+    """A 4-bit weight as LowBit's W4 kernels take it (``kernels/w4_linear.py``)."""
+
+    fmt: str  # dispatch format: "w4a4/a4", "w4a4/a8" or "w4a8"
+    packed: torch.Tensor  # int8 [N, K / 2]
+    scale: torch.Tensor  # [N]
+    rot_group: int
+    s_rel: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None
+    correction: torch.Tensor | None = None
+    group_size: int = 0
 
 
 class FormatCodec:
@@ -109,6 +134,27 @@ class FormatCodec:
         smoothing, centring, rotation or outlier columns (what ``w8a8_linear.w8a8_gelu_linear`` takes);
         ``None`` for every other format or weight."""
         return None
+
+    def w8a8_form(self, x: torch.Tensor, weight: QuantizedTensor) -> W8A8Form | None:
+        """How a call like ``linear(x, weight)`` runs on LowBit's W8A8 kernels: the dispatch format, the
+        codes and scale, and the activation pre-processing (:class:`W8A8Form`); ``None`` where it does not
+        (another format, a weight or call the kernels do not take). By default the plain products of
+        :meth:`plain_w8a8`."""
+        plain = self.plain_w8a8(x, weight)
+        return None if plain is None else W8A8Form(*plain)
+
+    def prologue_form(self, x: torch.Tensor, weight: QuantizedTensor) -> W8A8Form | W4Form | None:
+        """What :func:`form_prologue_linear` needs to run calls like ``linear(x, weight)`` with ``x`` given as
+        a prologue: :meth:`w8a8_form` by default (the 4-bit formats give a :class:`W4Form`); ``None`` where
+        the format, weight or call has no fused path."""
+        return self.w8a8_form(x, weight)
+
+    def prologue_linear(self, prologue, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``linear(prologue.materialize(), weight, bias)`` (2-D, ``[M, N]``) with the prologue computed
+        inside the activation quantization (``kernels/prologue.py``), or ``None`` where this format, weight or
+        call has no fused path yet (the caller materializes the input and runs :meth:`linear`)."""
+        form = self.prologue_form(prologue.source.new_empty((0, prologue.shape[1])), weight)  # no data: the checks
+        return None if form is None else form_prologue_linear(form, prologue, bias)
 
     # ---- checkpoint form ----------------------------------------------------------------
     def comfy_quant(self, qt: QuantizedTensor) -> dict:
@@ -177,6 +223,32 @@ _LINEAR_FNS: dict[str, LinearRunner] = {}
 def plain_call(x, weight) -> bool:
     return (not isinstance(x, QuantizedTensor) and isinstance(weight, QuantizedTensor)
             and active_backend() is Backend.AUTO)
+
+
+def form_prologue_linear(form: W8A8Form | W4Form, prologue, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """:meth:`FormatCodec.prologue_linear` for a weight whose :meth:`~FormatCodec.prologue_form` is ``form``
+    (callers that run one layer many times keep the form instead of checking the weight per call)."""
+    if isinstance(form, W4Form):
+        from ...kernels.w4_linear import w4_prologue_linear
+
+        return w4_prologue_linear(form.fmt, prologue, form.packed, form.scale, bias, prologue.source.dtype,
+                                  form.rot_group, form.s_rel, form.codebook, form.correction, form.group_size)
+    from ...kernels.w8a8_linear import w8a8_prologue_linear
+
+    return w8a8_prologue_linear(form.fmt, prologue, form.codes, form.scale, bias, prologue.source.dtype,
+                                form.rotation, form.group_size, form.smooth, form.center_rowsum)
+
+
+def own_w8a8_form(x, weight, layout: str, **pre) -> W8A8Form | None:
+    """:meth:`FormatCodec.w8a8_form` of one of our INT8 layouts (``pre``: its rotation, group, smoothing,
+    centring), where the registered linear would run on the W8A8 kernels: a plain call, an untransposed
+    contiguous int8 matrix of ``x``'s width on ``x``'s device."""
+    qdata = weight._qdata
+    if (not plain_call(x, weight) or weight._layout_cls != layout or getattr(weight._params, "transposed", False)
+            or qdata.device != x.device or qdata.dtype != torch.int8 or qdata.dim() != 2
+            or qdata.shape[1] != x.shape[-1] or not qdata.is_contiguous()):
+        return None
+    return W8A8Form("int8", qdata, weight._params.scale, **pre)
 
 
 def register_linear_family(layout_cls: type, layout_name: str,

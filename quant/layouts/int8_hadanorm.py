@@ -24,7 +24,8 @@ from comfy_kitchen.tensor import BaseLayoutParams, QuantizedLayout, QuantizedTen
 from ...kernels.hadamard import rotate_blocks, unrotate_blocks
 from ...kernels.int8_gemm import int8_linear, quantize_int8_rowwise
 from ..errors import CheckpointFormatError
-from .base import FormatCodec, FormatSpec, check_matrix, check_numel, conf_value, register_linear_family, require
+from .base import (FormatCodec, FormatSpec, check_matrix, check_numel, conf_value, own_w8a8_form, register_linear_family,
+                   require)
 
 LAYOUT = "LowBitHadaNormINT8Layout"
 GROUP = 128
@@ -110,6 +111,11 @@ class HadaNormCodec(FormatCodec):
 
     def _quantize(self, weight, *, seed):
         return HadaNormINT8Layout.quantize(weight, stochastic_rounding=seed)
+
+    def w8a8_form(self, x, weight):
+        p = weight._params
+        return own_w8a8_form(x, weight, LAYOUT, rotation=HADAMARD, group_size=p.group_size, smooth=p.smooth,
+                             center_rowsum=p.rowsum)
 
     def comfy_quant(self, qt):
         return {"format": self.spec.native_format, "group_size": qt._params.group_size, "alpha": qt._params.alpha}

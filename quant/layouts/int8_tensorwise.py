@@ -23,7 +23,7 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ...kernels.int8_gemm import int8_linear
-from .base import FormatSpec, KitchenKernelCodec, check_matrix, check_numel, conf_value, require
+from .base import FormatSpec, KitchenKernelCodec, W8A8Form, check_matrix, check_numel, conf_value, require
 
 LAYOUT = "TensorWiseINT8Layout"
 CONVROT_GROUP = 256
@@ -62,6 +62,13 @@ class Int8TensorwiseCodec(KitchenKernelCodec):
         if self.convrot or weight._params.convrot or self._kernel_problem(x, weight) is not None:
             return None
         return "int8", weight._qdata, weight._params.scale
+
+    def w8a8_form(self, x, weight):
+        if self._kernel_problem(x, weight) is not None:
+            return None
+        p = weight._params
+        rotation, group = ("regular", p.convrot_groupsize) if p.convrot else ("none", 0)
+        return W8A8Form("int8", weight._qdata, p.scale, rotation, group)
 
     def comfy_quant(self, qt):
         conf = {"format": self.spec.native_format}

@@ -25,7 +25,7 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorCoreConvRotW4A4Layout
 
 from ...kernels.backend import capability
 from ...kernels.w4_linear import w4a4_linear
-from .base import FormatSpec, KitchenKernelCodec, check_matrix, conf_value, require
+from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
 LAYOUT = "TensorCoreConvRotW4A4Layout"
 CONVROT_GROUP = 256
@@ -62,6 +62,13 @@ class W4A4ConvRotCodec(KitchenKernelCodec):
         p = weight._params
         return w4a4_linear(x, weight._qdata, p.scale, bias, p.convrot_groupsize, out_dtype=x.dtype,
                            act_bits=act_bits(p.linear_dtype, x.device))
+
+    def prologue_form(self, x, weight):
+        if self._kernel_problem(x, weight) is not None:
+            return None
+        p = weight._params
+        fmt = "w4a4/a8" if act_bits(p.linear_dtype, x.device) == 8 else "w4a4/a4"
+        return W4Form(fmt, weight._qdata, p.scale, p.convrot_groupsize)
 
     def comfy_quant(self, qt):
         conf = {"format": self.spec.native_format, "convrot_groupsize": qt._params.convrot_groupsize}

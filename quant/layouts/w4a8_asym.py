@@ -25,7 +25,7 @@ import torch
 from comfy_kitchen.tensor import AsymW4A8Int8Layout, QuantizedTensor
 
 from ...kernels.w4_linear import w4a8_linear
-from .base import FormatSpec, KitchenKernelCodec, check_matrix, conf_value, require
+from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
 LAYOUT = "AsymW4A8Int8Layout"
 CONVROT_GROUP = 256
@@ -70,6 +70,13 @@ class W4A8AsymCodec(KitchenKernelCodec):
         p = weight._params
         return w4a8_linear(x, weight._qdata, p.scale, p.s_channel, p.codebook, p.correction, bias, p.group_size,
                            p.convrot_groupsize, out_dtype=x.dtype)
+
+    def prologue_form(self, x, weight):
+        if self._kernel_problem(x, weight) is not None:
+            return None
+        p = weight._params
+        return W4Form("w4a8", weight._qdata, p.s_channel, p.convrot_groupsize, p.scale, p.codebook, p.correction,
+                      p.group_size)
 
     def _kitchen_linear(self, x, weight, bias, input_scale):
         # kitchen's W4A8 handler returns the weight's dtype, not the input's: give the weight the

@@ -1,0 +1,128 @@
+"""What a linear's input is made of, when it is not a tensor yet: the act-quant kernel's prologues.
+
+In a transformer block the input of a quantized linear is usually the output of a cheap pointwise or
+row-wise op that the previous kernel wrote to memory in bf16 just for the activation quantization to
+read it back: the MLP's GELU, Flux's ``cat((attention, gelu(mlp)), -1)``, and the block's
+``LayerNorm`` followed by the adaptive modulation ``shift + norm(x) * (1 + scale)``. A prologue
+describes such an input by its sources; ``triton_act_quant.act_quant_triton(prologue=...)`` computes
+it in registers from the sources, row by row, and quantizes it in the same pass, so the bf16
+intermediate is never stored.
+
+* :class:`GeluPrologue` - ``[a | gelu(b)]`` (``a`` may be absent): ``a`` ``[M, Ka]``, ``b`` ``[M, Kb]``.
+* :class:`NormModPrologue` - ``shift + layer_norm(x) * mult`` (no affine weights, as the DiT blocks
+  use it; ``mult`` and ``shift`` may be absent): ``x`` ``[M, K]``, ``mult``/``shift`` one row of ``K``
+  values per batch element, each batch element ``rows_per_batch`` consecutive rows of ``x``.
+
+Each rounds what it computes to the input's dtype where the unfused graph stores a tensor (after the
+GELU; after the normalization and after the modulation), so the codes are those of the tensor the
+unfused graph would quantize, up to the last bit of ``tanh`` or of the row variance.
+:meth:`materialize` is that unfused graph in torch (the reference, and the fallback wherever a kernel
+does not take the call). Nothing here imports Triton or ComfyUI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+class PrologueError(ValueError):
+    """Sources that do not describe a prologue input (shapes, dtypes or devices that disagree)."""
+
+
+@dataclass(frozen=True, eq=False)
+class GeluPrologue:
+    """``cat([a, gelu(b, approximate)], -1)`` (``gelu(b)`` when ``a`` is None); 2-D sources, unit column stride."""
+
+    b: torch.Tensor
+    a: torch.Tensor | None = None
+    approximate: str = "tanh"
+
+    def __post_init__(self):
+        if self.approximate not in GELU_APPROXIMATIONS:
+            raise PrologueError(f"GELU approximate={self.approximate!r} is not one of {GELU_APPROXIMATIONS}")
+        if self.b.dim() != 2 or (self.a is not None and (
+                self.a.dim() != 2 or self.a.shape[0] != self.b.shape[0] or self.a.dtype != self.b.dtype
+                or self.a.device != self.b.device)):
+            raise PrologueError(f"a and b must be 2-D with the same rows, dtype and device, got "
+                                f"{None if self.a is None else (tuple(self.a.shape), self.a.dtype)} and "
+                                f"{(tuple(self.b.shape), self.b.dtype)}")
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.b
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.b.shape[0], self.b.shape[1] + (0 if self.a is None else self.a.shape[1])
+
+    def materialize(self) -> torch.Tensor:
+        if self.a is None:
+            return F.gelu(self.b, approximate=self.approximate)
+        out = self.b.new_empty(self.shape)
+        ka = self.a.shape[1]
+        out[:, :ka] = self.a
+        torch._C._nn.gelu(self.b, approximate=self.approximate, out=out[:, ka:])
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class NormModPrologue:
+    """``shift + layer_norm(x, eps) * mult`` per row; ``mult``/``shift``: ``[B, K]`` (row ``i`` of ``x`` uses
+    row ``i // rows_per_batch``), ``[1, K]`` (every row) or None (1 / 0). ``x``: 2-D, unit column stride."""
+
+    x: torch.Tensor
+    eps: float
+    mult: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
+    rows_per_batch: int = 0  # 0: the modulation rows apply to every row (one batch element)
+
+    def __post_init__(self):
+        if self.x.dim() != 2:
+            raise PrologueError(f"x must be 2-D, got {tuple(self.x.shape)}")
+        m, k = self.x.shape
+        batches = None
+        for name, t in (("mult", self.mult), ("shift", self.shift)):
+            if t is None:
+                continue
+            if t.dim() != 2 or t.shape[1] != k or t.dtype != self.x.dtype or t.device != self.x.device:
+                raise PrologueError(f"{name} must be [B, {k}] {self.x.dtype} on {self.x.device}, got "
+                                    f"{tuple(t.shape)} {t.dtype} on {t.device}")
+            if batches not in (None, t.shape[0]):
+                raise PrologueError(f"mult and shift have {batches} and {t.shape[0]} rows")
+            batches = t.shape[0]
+        rpb = self.rows_per_batch
+        if batches not in (None, 1) and (rpb <= 0 or rpb * batches != m):
+            raise PrologueError(f"{batches} modulation rows do not split {m} rows into batch elements of {rpb}")
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.x
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.x.shape)
+
+    def _per_row(self, t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] == 1:
+            return t
+        return t.repeat_interleave(self.rows_per_batch, dim=0)
+
+    def materialize(self) -> torch.Tensor:
+        out = F.layer_norm(self.x, (self.x.shape[1],), None, None, self.eps)
+        if self.mult is None and self.shift is None:
+            return out
+        if self.shift is None:
+            return out * self._per_row(self.mult)
+        if self.mult is None:
+            return out + self._per_row(self.shift)
+        return torch.addcmul(self._per_row(self.shift), out, self._per_row(self.mult))
+
+
+Prologue = GeluPrologue | NormModPrologue
+
+__all__ = ["GELU_APPROXIMATIONS", "GeluPrologue", "NormModPrologue", "Prologue", "PrologueError"]

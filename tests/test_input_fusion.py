@@ -1,0 +1,269 @@
+"""Inputs computed inside the activation quantization (``kernels/prologue.py``, ``quant/deferred.py``).
+
+* The act-quant kernel's LayerNorm + modulation prologue (Triton interpreter) gives the codes and
+  scales of the same kernel on the materialized input (``F.layer_norm`` then ``torch.addcmul``), for
+  INT8 and e4m3, every rotation and HadaNorm's smoothing and centring, one or two batch elements,
+  fp16 and bf16; the GELU prologue the same with a rotation.
+* A ``DeferredInput`` answers shape, dtype and device without computing anything; ``cat`` with a
+  deferred GELU and ``addcmul`` of a deferred norm extend the recipe; every other op (in place ones
+  included) sees the materialized tensor, equal to what torch computes without deferral.
+* Each W8A8 format's ``prologue_linear`` runs the settled plan on the prologue (after one unfused call)
+  and gives the unfused linear's bits; without a settled plan, or with one that does not take our
+  codes, it declines (``None``). (The ``torch`` decision's fused path needs a GPU: on the CPU that
+  plan quantizes with the eager reference, which a prologue cannot feed.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels_helpers import needs_triton_interpreter, randn
+from lowbit.kernels import dispatch, triton_act_quant
+from lowbit.kernels.backend import capability
+from lowbit.kernels.gemm_config import default_config
+from lowbit.kernels.prologue import GeluPrologue, NormModPrologue, PrologueError
+from lowbit.kernels.reference import FP8, FP8_MAX, INT8_MAX
+from lowbit.kernels.triton_act_quant import act_quant_triton
+from lowbit.quant.deferred import DeferredInput, defer_gelu, defer_layer_norm
+from lowbit.quant.formats import FORMATS
+
+K = 256
+#: LOWBIT_TEST_DEVICE=cuda runs the fused linears on the GPU (tests/gpu/README.md); else the interpreter
+DEVICE = torch.device(os.environ.get("LOWBIT_TEST_DEVICE", "cpu"))
+interpreter = needs_triton_interpreter()  # CPU tensors through the Triton interpreter
+on_device = interpreter if DEVICE.type == "cpu" else pytest.mark.skipif(False, reason="")
+
+
+def _norm_inputs(rows: int, k: int, batches: int, dtype, seed: int):
+    x = randn(rows * batches, k, seed=seed, scale=3.0) + 0.7
+    mult = 1 + randn(batches, k, seed=seed + 1, scale=0.3)
+    shift = randn(batches, k, seed=seed + 2, scale=0.5)
+    return x.to(dtype), mult.to(dtype), shift.to(dtype)
+
+
+@pytest.mark.parametrize("rotation,group,smooth,center", [("none", 0, False, False), ("regular", 256, False, False),
+                                                          ("sylvester", 128, True, True)])
+@interpreter
+@pytest.mark.parametrize("code", ("int8", "fp8"))
+@pytest.mark.parametrize("batches,dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (2, torch.float16)])
+def test_norm_mod_prologue_codes_equal_the_kernel_on_the_materialized_input(rotation, group, smooth, center, code,
+                                                                            batches, dtype):
+    out_dtype, qmax = (torch.int8, INT8_MAX) if code == "int8" else (FP8, FP8_MAX)
+    x, mult, shift = _norm_inputs(5, K, batches, dtype, seed=7)
+    prologue = NormModPrologue(x, 1e-6, mult, shift, 5 if batches > 1 else 0)
+    materialized = prologue.materialize()
+    expected = torch.addcmul(shift[:, None], F.layer_norm(x.view(batches, 5, K), (K,), eps=1e-6), mult[:, None])
+    assert torch.equal(materialized, expected.reshape(-1, K))  # ComfyUI's apply_mod, as broadcast there
+    sm = (torch.rand(K, generator=torch.Generator().manual_seed(3)) + 0.5) if smooth else None
+    q, s, mean = act_quant_triton(prologue, out_dtype, qmax, rotation, group, sm, center)
+    qr, sr, mean_r = act_quant_triton(materialized, out_dtype, qmax, rotation, group, sm, center, split="pow2")
+    assert torch.equal(q.float(), qr.float())
+    assert torch.equal(s, sr)
+    assert torch.equal(mean, mean_r)
+
+
+@interpreter
+@pytest.mark.parametrize("mult,shift", [(True, False), (False, True), (False, False)])
+def test_norm_prologue_without_mult_or_shift(mult, shift):
+    x, m, sh = _norm_inputs(6, K, 1, torch.bfloat16, seed=11)
+    prologue = NormModPrologue(x, 1e-5, m if mult else None, sh if shift else None)
+    q, s, _ = act_quant_triton(prologue, torch.int8, INT8_MAX, "none", 0, None, False)
+    qr, sr, _ = act_quant_triton(prologue.materialize(), torch.int8, INT8_MAX, "none", 0, None, False)
+    assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
+@interpreter
+@pytest.mark.parametrize("code", ("int8", "fp8"))
+def test_gelu_prologue_with_a_rotation(code):
+    out_dtype, qmax = (torch.int8, INT8_MAX) if code == "int8" else (FP8, FP8_MAX)
+    wide = randn(6, K + 32, seed=5, scale=3.0, dtype=torch.bfloat16)
+    prologue = GeluPrologue(wide[:, 32:], randn(6, K, seed=6, dtype=torch.bfloat16), "tanh")
+    q, s, _ = act_quant_triton(prologue, out_dtype, qmax, "regular", 256, None, False)
+    qr, sr, _ = act_quant_triton(prologue.materialize(), out_dtype, qmax, "regular", 256, None, False, split="pow2")
+    assert torch.equal(q.float(), qr.float())
+    assert torch.allclose(s, sr, rtol=1e-6)
+
+
+@interpreter
+def test_prologues_refuse_sources_that_disagree():
+    x = torch.zeros(6, K, dtype=torch.bfloat16)
+    with pytest.raises(PrologueError, match="modulation rows"):
+        NormModPrologue(x, 1e-6, torch.ones(2, K, dtype=torch.bfloat16), None, 4)  # 2 x 4 != 6 rows
+    with pytest.raises(PrologueError, match="mult must be"):
+        NormModPrologue(x, 1e-6, torch.ones(1, K), None)  # fp32 modulation for a bf16 input
+    with pytest.raises(ValueError, match="pow2"):
+        act_quant_triton(NormModPrologue(x, 1e-6), torch.int8, INT8_MAX, "none", 0, None, False, split="pieces")
+
+
+# ---- the deferred tensor ----------------------------------------------------------------------------
+
+def _mlp_and_attn(seed: int):
+    mlp_wide = randn(2, 3, 2 * K, seed=seed, scale=2.0, dtype=torch.bfloat16)
+    return mlp_wide[..., K:], randn(2, 3, K, seed=seed + 1, dtype=torch.bfloat16)
+
+
+@interpreter
+def test_deferred_gelu_answers_metadata_without_computing_and_cat_extends_the_recipe():
+    mlp, attn = _mlp_and_attn(1)
+    g = defer_gelu(mlp, "tanh")
+    assert isinstance(g, DeferredInput)
+    assert g.shape == (2, 3, K) and g.dtype == torch.bfloat16 and g.device == mlp.device and g.dim() == 3
+    assert g._value is None
+    cat = torch.cat((attn, g), 2)
+    assert isinstance(cat, DeferredInput) and cat.shape == (2, 3, 2 * K)
+    assert cat.prologue.a is not None and cat._value is None
+    expected = torch.cat((attn, F.gelu(mlp, approximate="tanh")), 2)
+    assert torch.equal(cat.materialize(), expected)
+    # any other op computes the value, equal to torch's
+    assert torch.equal(cat * 2, expected * 2)
+    assert type(cat * 2) is torch.Tensor
+
+
+@interpreter
+def test_other_concatenations_and_ops_see_the_computed_tensor():
+    mlp, attn = _mlp_and_attn(2)
+    g = defer_gelu(mlp, "none")
+    ref = F.gelu(mlp)
+    assert not isinstance(torch.cat((g, attn), 2), DeferredInput)  # the deferred part first: computed
+    assert torch.equal(torch.cat((g, attn), 2), torch.cat((ref, attn), 2))
+    assert torch.equal(torch.cat((attn, g), 1), torch.cat((attn, ref), 1))  # not the last dim
+    assert torch.equal(g.sum(-1), ref.sum(-1))
+    assert torch.equal(g.reshape(-1, K), ref.reshape(-1, K))
+    g.mul_(3)  # in place: on the computed value, which the deferred tensor keeps
+    assert torch.equal(g.materialize(), ref * 3)
+    assert torch.equal(g + 0, ref * 3)
+
+
+@interpreter
+def test_deferred_norm_and_addcmul_build_the_modulated_norm():
+    x = randn(2, 3, K, seed=3, scale=2.0, dtype=torch.bfloat16)
+    mult = 1 + randn(2, 1, K, seed=4, scale=0.2, dtype=torch.bfloat16)
+    shift = randn(2, 1, K, seed=5, dtype=torch.bfloat16)
+    n = defer_layer_norm(x, 1e-6)
+    assert isinstance(n, DeferredInput)
+    out = torch.addcmul(shift, n, mult)  # ComfyUI's apply_mod
+    assert isinstance(out, DeferredInput) and out.prologue.mult is not None and out.prologue.rows_per_batch == 3
+    expected = torch.addcmul(shift, F.layer_norm(x, (K,), eps=1e-6), mult)
+    assert torch.equal(out.materialize(), expected)
+    # shapes that are not one modulation row per batch element, or a value other than 1: computed
+    per_token = randn(2, 3, K, seed=6, dtype=torch.bfloat16)
+    for args, kwargs in (((shift, defer_layer_norm(x, 1e-6), per_token), {}),
+                         ((shift, defer_layer_norm(x, 1e-6), mult), {"value": 2})):
+        got = torch.addcmul(*args, **kwargs)
+        assert type(got) is torch.Tensor
+        assert torch.equal(got, torch.addcmul(args[0], F.layer_norm(x, (K,), eps=1e-6), args[2], **kwargs))
+
+
+@interpreter
+def test_inputs_that_cannot_be_deferred_are_computed(monkeypatch):
+    x = randn(2, 3, K, seed=9, dtype=torch.bfloat16)
+    assert type(defer_gelu(x, "tanh")) is DeferredInput
+    assert defer_layer_norm(x[0, 0], 1e-6) is None  # 1-D
+    assert defer_layer_norm(randn(2, 1 << 16, seed=1, dtype=torch.bfloat16), 1e-6) is None  # too wide
+    with torch.enable_grad():
+        xg = x.float().requires_grad_()
+        assert type(defer_gelu(xg, "tanh")) is torch.Tensor
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor without the interpreter: no kernel would take it
+    assert type(defer_gelu(x, "tanh")) is torch.Tensor and defer_layer_norm(x, 1e-6) is None
+
+
+# ---- each W8A8 format's fused linear ------------------------------------------------------------------
+
+W8A8 = ("int8", "int8_convrot", "int8_quarot", "int8_hadanorm", "fp8", "fp8_rowwise")
+
+
+def _weight(fmt: str, n: int, k: int):
+    return FORMATS[fmt].quantize(randn(n, k, seed=21) / k**0.5)
+
+
+def _prologues(seed: int, device: torch.device = torch.device("cpu")):
+    mlp, attn = (t.to(device) for t in _mlp_and_attn(seed))
+    x, mult, shift = (t.to(device) for t in _norm_inputs(3, K, 2, torch.bfloat16, seed=seed))
+    return {"gelu": GeluPrologue(mlp.reshape(-1, K), None, "tanh"),
+            "cat": GeluPrologue(mlp.reshape(-1, K), attn.reshape(-1, K), "tanh"),
+            "norm": NormModPrologue(x, 1e-6, mult, shift, 3)}
+
+
+@on_device
+@pytest.mark.parametrize("fmt", W8A8)
+@pytest.mark.parametrize("kind", ("gelu", "cat", "norm"))
+@pytest.mark.parametrize("decision", ("triton", "torch"))
+def test_prologue_linear_runs_the_settled_plan_and_gives_the_unfused_bits(fmt, kind, decision, monkeypatch):
+    if decision == "torch" and DEVICE.type != "cuda":
+        pytest.skip("the torch decision quantizes with our kernel on a GPU only (the eager reference elsewhere)")
+    prologue = _prologues(31, DEVICE)[kind]
+    m, k = prologue.shape
+    n = 32
+    codec = FORMATS[fmt]
+    weight = _weight(fmt, n, k).to(device=DEVICE, dtype=torch.bfloat16)
+    bias = randn(n, seed=22, dtype=torch.bfloat16).to(DEVICE)
+    x = prologue.materialize()
+    form = codec.w8a8_form(x, weight)
+    if form is None:
+        assert fmt == "fp8" and DEVICE.type == "cpu"
+        pytest.skip("fp8 keeps comfy-kitchen's per-tensor activation scale on the CPU")
+    pre = "+".join(p for p in (form.smooth is not None and "smooth", form.center_rowsum is not None and "center",
+                               form.rotation != "none" and f"{form.rotation}{form.group_size}") if p)
+    key = dispatch.DispatchKey(form.fmt + (f"+{pre}" if pre else ""), capability(DEVICE), dispatch.m_bucket(m), n,
+                               k).as_str()
+    name = f"triton:{default_config(m).name}" if decision == "triton" else "torch"
+    calls = []
+    real = triton_act_quant.act_quant_triton
+    monkeypatch.setattr(triton_act_quant, "act_quant_triton",
+                        lambda src, *a, **kw: calls.append(type(src).__name__) or real(src, *a, **kw))
+    with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions={key: name})):
+        assert codec.prologue_linear(prologue, weight, bias) is None  # nothing settled yet
+        unfused = codec.linear(x, weight, bias)  # settles the plan
+        calls.clear()
+        fused = codec.prologue_linear(prologue, weight, bias)
+    assert calls == [type(prologue).__name__]
+    assert fused is not None and torch.equal(fused, unfused)
+
+
+@on_device
+@pytest.mark.parametrize("fmt", ("int8", "int8_convrot"))
+def test_prologue_linear_declines_where_the_plan_does_not_take_our_codes(fmt):
+    prologue = _prologues(41)["norm"]
+    m, k = prologue.shape
+    codec = FORMATS[fmt]
+    weight = _weight(fmt, 32, k).to(dtype=torch.bfloat16)
+    form = codec.w8a8_form(prologue.materialize(), weight)
+    pre = f"+{form.rotation}{form.group_size}" if form.rotation != "none" else ""
+    key = dispatch.DispatchKey(f"int8{pre}", (0, 0), dispatch.m_bucket(m), 32, k).as_str()
+    with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions={key: "dequant"})):
+        codec.linear(prologue.materialize(), weight, None)
+        assert codec.prologue_linear(prologue, weight, None) is None
+
+
+@on_device
+@pytest.mark.parametrize("fmt", ("w4a4", "w4a8"))
+@pytest.mark.parametrize("kind", ("cat", "norm"))
+@pytest.mark.parametrize("decision", ("triton", "expand"))
+def test_4bit_prologue_linear_runs_the_settled_plan(fmt, kind, decision, monkeypatch):
+    if decision == "expand" and fmt == "w4a4":
+        pytest.skip("the expansion is offered for codebook weights only")
+    prologue = _prologues(61, DEVICE)[kind]
+    m, k = prologue.shape
+    codec = FORMATS[fmt]
+    weight = _weight(fmt, 32, k).to(device=DEVICE, dtype=torch.bfloat16)
+    x = prologue.materialize()
+    form = codec.prologue_form(x, weight)
+    assert form is not None and codec.w8a8_form(x, weight) is None
+    config = default_config(m) if decision == "expand" else default_config(m, "w4")
+    name = f"triton:expand-{config.name}" if decision == "expand" else f"triton:{config.name}"
+    key = dispatch.DispatchKey(form.fmt, capability(DEVICE), dispatch.m_bucket(m), 32, k).as_str()
+    calls = []
+    real = triton_act_quant.act_quant_triton
+    monkeypatch.setattr(triton_act_quant, "act_quant_triton",
+                        lambda src, *a, **kw: calls.append(type(src).__name__) or real(src, *a, **kw))
+    with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions={key: name})):
+        assert codec.prologue_linear(prologue, weight, None) is None
+        unfused = codec.linear(x, weight, None)
+        calls.clear()
+        fused = codec.prologue_linear(prologue, weight, None)
+    assert calls == [type(prologue).__name__]
+    assert fused is not None and torch.equal(fused, unfused)
