@@ -47,8 +47,10 @@ import comfy.ops
 from comfy_kitchen.tensor import QuantizedTensor
 
 from ..quant.compiled_linear import quantized_linear
+from ..quant.deferred import DeferredInput, defer_gelu, defer_layer_norm
 from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatError
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
+from ..quant.layouts.base import form_prologue_linear
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMAT_ATTR = "lowbit_format"
 CONFIG_ATTR = "lowbit_config"
 RUNNER_ATTR = "_lowbit_runner"  # (weakref to the weight, device, in_features, input_scale, runner or None)
+FORM_ATTR = "_lowbit_prologue_form"  # (weakref to the weight, device, in_features, codec.prologue_form or None)
 PRE_QUANT_SCALE = "pre_quant_scale"  # as quant.calibration_pre_quant and ComfyUI name it
 #: where ModelPatcherDynamic leaves a patched module's pending weight patch (comfy.ops' vbar cast applies it)
 LOWVRAM_PATCH_ATTR = "weight_lowvram_function"
@@ -76,12 +79,15 @@ class LowBitOpsConfig:
     of a loaded file are stored in; ``None`` leaves it to ComfyUI (the model's manual-cast dtype).
     ``backend``: one of :data:`KERNEL_BACKENDS`. ``dequantize_formats``: ``comfy_quant`` format
     strings (``"float8_e4m3fn"``...) that run as dequantized weight × float activation on this
-    hardware, ComfyUI's ``disabled`` list (see :func:`default_dequantize_formats`).
+    hardware, ComfyUI's ``disabled`` list (see :func:`default_dequantize_formats`). ``fuse_inputs``:
+    the model's GELUs and affine-free LayerNorms hand their outputs to the next LowBit linear
+    uncomputed, which computes them inside its activation quantization (:func:`install_input_fusion`).
     """
 
     compute_dtype: torch.dtype | None = None
     backend: str = "auto"
     dequantize_formats: frozenset[str] = frozenset()
+    fuse_inputs: bool = True
     version: int = OPS_CONFIG_VERSION
 
     def __post_init__(self):
@@ -89,6 +95,8 @@ class LowBitOpsConfig:
             raise LowBitError(f"ops config version {self.version} is not supported (expected {OPS_CONFIG_VERSION})")
         if self.backend not in KERNEL_BACKENDS:
             raise LowBitError(f"unknown kernel backend {self.backend!r}; choose one of {', '.join(KERNEL_BACKENDS)}")
+        if not isinstance(self.fuse_inputs, bool):
+            raise LowBitError(f"fuse_inputs must be True or False, got {self.fuse_inputs!r}")
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise LowBitError(f"compute_dtype must be float16, bfloat16 or float32 (or None for ComfyUI's choice), "
                               f"got {self.compute_dtype}")
@@ -97,14 +105,14 @@ class LowBitOpsConfig:
     def to_dict(self) -> dict:
         return {"compute_dtype": None if self.compute_dtype is None else str(self.compute_dtype).replace("torch.", ""),
                 "backend": self.backend, "dequantize_formats": sorted(self.dequantize_formats),
-                "version": self.version}
+                "fuse_inputs": self.fuse_inputs, "version": self.version}
 
     @classmethod
     def from_dict(cls, data: dict) -> "LowBitOpsConfig":
         dtype = data.get("compute_dtype")
         return cls(compute_dtype=None if dtype is None else getattr(torch, dtype), backend=data.get("backend", "auto"),
                    dequantize_formats=frozenset(data.get("dequantize_formats", ())),
-                   version=data.get("version", OPS_CONFIG_VERSION))
+                   fuse_inputs=bool(data.get("fuse_inputs", True)), version=data.get("version", OPS_CONFIG_VERSION))
 
 
 def default_dequantize_formats(device: torch.device) -> frozenset[str]:
@@ -205,6 +213,11 @@ class LowBitLinearMixin:
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, input, *args, **kwargs):
+        if isinstance(input, DeferredInput):  # a GELU / LayerNorm output not computed yet (quant/deferred.py)
+            out = None if args or kwargs else self._lowbit_prologue_forward(input)
+            if out is not None:
+                return out
+            input = input.materialize()
         codec = module_codec(self)
         if codec is None or not isinstance(self.weight, QuantizedTensor):
             return super().forward(input, *args, **kwargs)
@@ -222,6 +235,34 @@ class LowBitLinearMixin:
                 return runner(input, weight, bias)
             return self._lowbit_quantized_forward(input, codec, config)
         return self._lowbit_dequantized_forward(input)
+
+    def _lowbit_prologue_forward(self, input: DeferredInput):
+        """The linear of a deferred input with the input computed inside the activation quantization
+        (``codec.prologue_linear``), where the steady-state path would run (weights resident in the input's
+        dtype, no patches, no forced backend, no smoothing scales); ``None`` otherwise."""
+        codec = module_codec(self)
+        if codec is None or not isinstance(self.weight, QuantizedTensor) or hasattr(self, "_v"):
+            return None
+        config: LowBitOpsConfig = self.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
+        src = input.prologue.source
+        if (config.backend != "auto" or getattr(self, PRE_QUANT_SCALE, None) is not None
+                or getattr(self, "input_scale", None) is not None or not self._lowbit_runs_quantized(src, config)):
+            return None
+        weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
+        if weight.device != src.device or weight.dtype != src.dtype or (
+                bias is not None and (bias.device != src.device or bias.dtype != src.dtype)):
+            return None
+        k = input.prologue.shape[1]
+        cached = self.__dict__.get(FORM_ATTR)
+        if cached is None or cached[0]() is not weight or cached[1] != src.device or cached[2] != k:
+            form = codec.prologue_form(src.new_empty((0, k)), weight)  # the per-weight checks, once
+            cached = (weakref.ref(weight), src.device, k, form)
+            self.__dict__[FORM_ATTR] = cached
+        if cached[3] is None:
+            return None
+        _run_every_op()
+        out = form_prologue_linear(cached[3], input.prologue, bias)
+        return None if out is None else out.reshape(*input.lead_shape, out.shape[-1])
 
     def _lowbit_resident_runner(self, input, codec: FormatCodec, config: LowBitOpsConfig):
         """``(runner, weight, bias)`` for a layer whose weights already live where ``input`` is, else ``None``.
@@ -340,6 +381,7 @@ class LowBitLinearMixin:
         return weight
 
     def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
+        self.__dict__.pop(FORM_ATTR, None)  # it holds the old weight's tensors
         codec = module_codec(self)
         if codec is None:
             parent = getattr(super(), "set_weight", None)
@@ -435,6 +477,71 @@ def lowbit_linear_class(base: type, classes: dict[type, type]) -> type:
         cls = type(f"LowBit{base.__name__}", bases, {"__module__": __name__})
         classes[base] = cls
     return cls
+
+
+class DeferredGELUMixin:
+    """An ``nn.GELU`` whose output may be a deferred input (``quant/deferred.py``)."""
+
+    def forward(self, input):
+        return defer_gelu(input, self.approximate)
+
+
+class DeferredLayerNormMixin:
+    """An affine-free LayerNorm (torch's or ComfyUI's) whose output may be a deferred input
+    (``quant/deferred.py``); with weights, patches or other arguments it is its class's own."""
+
+    def forward(self, input, *args, **kwargs):
+        if (not args and not kwargs and self.weight is None and self.bias is None and len(self.normalized_shape) == 1
+                and not getattr(self, "weight_function", None) and not getattr(self, "bias_function", None)
+                and isinstance(input, torch.Tensor) and input.dim() >= 2
+                and input.shape[-1] == self.normalized_shape[0]):
+            out = defer_layer_norm(input, self.eps)
+            if out is not None:
+                _run_every_op()
+                return out
+        return super().forward(input, *args, **kwargs)
+
+
+def _layer_norm_forwards() -> set:
+    """The LayerNorm forwards that compute exactly ``F.layer_norm`` (what a deferral stands for)."""
+    forwards = {torch.nn.LayerNorm.forward}
+    comfy_norm = getattr(getattr(comfy.ops, "disable_weight_init", None), "LayerNorm", None)
+    if comfy_norm is not None:
+        forwards.add(comfy_norm.forward)
+    return forwards
+
+
+def _deferring_class(base: type, mixin: type, classes: dict[type, type]) -> type:
+    cls = classes.get(base)
+    if cls is None:
+        cls = type(f"LowBit{base.__name__}", (mixin, base), {"__module__": __name__})
+        classes[base] = cls
+    return cls
+
+
+def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, type]) -> int:
+    """Let the model's GELUs and affine-free LayerNorms hand their outputs to LowBit linears uncomputed.
+
+    Swaps the ``__class__`` of every exact ``nn.GELU`` and of every LayerNorm without weights whose
+    class computes plain ``F.layer_norm`` (torch's, ComfyUI's ops) to a per-model subclass (``classes``:
+    the caller's per-model cache; nothing global changes). Their outputs become deferred inputs
+    (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation
+    quantization; anything else gets the computed tensor. Subclasses with forwards of their own
+    (e.g. a norm that upcasts) are left alone. Returns how many modules were swapped (0 on a second call).
+    """
+    norm_forwards = _layer_norm_forwards()
+    swapped = 0
+    for module in diffusion_model.modules():
+        cls = type(module)
+        if cls is torch.nn.GELU:
+            module.__class__ = _deferring_class(cls, DeferredGELUMixin, classes)
+        elif (isinstance(module, torch.nn.LayerNorm) and not isinstance(module, DeferredLayerNormMixin)
+              and cls.forward in norm_forwards and module.weight is None and module.bias is None):
+            module.__class__ = _deferring_class(cls, DeferredLayerNormMixin, classes)
+        else:
+            continue
+        swapped += 1
+    return swapped
 
 
 def lowbit_ops(config: LowBitOpsConfig) -> type:

@@ -21,7 +21,7 @@ from comfy_api.latest import io
 from ..quant.errors import CheckpointFormatError, LowBitError
 from ..quant.policy import Policy
 from . import CATEGORY
-from .comfy_ops import KERNEL_BACKENDS, LowBitOpsConfig, default_dequantize_formats, lowbit_ops
+from .comfy_ops import KERNEL_BACKENDS, LowBitOpsConfig, default_dequantize_formats, install_input_fusion, lowbit_ops
 from .common import (AUTO, KEEP_FLOAT_TOOLTIP, MODE_TOOLTIP, NATIVE, PRESET_TOOLTIP, RATIO_TOOLTIP, WEIGHT_DTYPES,
                      NodeInputError, backend_options, make_policy, mode_options, preset_options, progress_bar,
                      weight_dtype)
@@ -136,6 +136,8 @@ def load_lowbit_diffusion_model(path: str, settings: LoadSettings, disable_dynam
         found = len(quantized_layers(model))
         if found:
             setattr(model.model, INFO_ATTR, LowBitModelInfo(source="loaded native file", ops=config.to_dict()))
+            if config.fuse_inputs and config.backend == "auto":
+                install_input_fusion(model.model.diffusion_model, {})
         else:
             log.warning("LowBit: %s holds no quantized layers and mode is 'native': loaded as float. Pick a mode "
                         "to quantize it while loading.", name)

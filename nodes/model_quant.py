@@ -49,7 +49,7 @@ from ..quant.native import COMFY_QUANT, decode_comfy_quant
 from ..quant.policy import Plan, Policy
 from ..quant.quantize import check_quantize_options, quantize_weight
 from .comfy_ops import (COMPUTE_DTYPES, PRE_QUANT_SCALE, LowBitOpsConfig, default_dequantize_formats,
-                        lowbit_linear_class, mark_quantized, module_codec, set_pre_quant_scale)
+                        install_input_fusion, lowbit_linear_class, mark_quantized, module_codec, set_pre_quant_scale)
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +333,8 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
         set_pre_quant_scale(module, scale, layer=decision.name, device=home)
         if progress is not None:
             progress(done, total)
+    if config.fuse_inputs and config.backend == "auto":
+        install_input_fusion(dm, classes)
     return plan
 
 
@@ -353,12 +355,13 @@ def _check_outlier_layers(plan: Plan, outlier_channels: Mapping[str, torch.Tenso
 def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype | None = None,
                    progress: Callable[[int, int], None] | None = None, backend: str = "auto",
                    pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
-                   outlier_channels: Mapping[str, torch.Tensor] | None = None):
+                   outlier_channels: Mapping[str, torch.Tensor] | None = None, fuse_inputs: bool = True):
     """A quantized copy of ``model_patcher`` (see the module docstring); the input is not changed.
 
     ``pre_quant_scales``: layers stored smoothed with a ``pre_quant_scale``; ``outlier_channels``:
     ``fp8_rowwise`` layers quantized with their calibrated outlier channels (both as
-    :func:`quantize_in_place`)."""
+    :func:`quantize_in_place`). ``fuse_inputs``: ``LowBitOpsConfig.fuse_inputs`` (the norms and GELUs
+    feeding quantized linears computed inside their activation quantization)."""
     diffusion_model_of(model_patcher)
     plan = plan_for(model_patcher, policy)
     if not plan.quantized:
@@ -367,7 +370,8 @@ def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype 
     ensure_unpatched(model_patcher, offloaded=True)
     source = model_patcher.model
     config = LowBitOpsConfig(compute_dtype=compute_dtype or model_compute_dtype(source), backend=backend,
-                             dequantize_formats=default_dequantize_formats(model_patcher.load_device))
+                             dequantize_formats=default_dequantize_formats(model_patcher.load_device),
+                             fuse_inputs=fuse_inputs)
     new_model = copy_model(source, model_patcher.offload_device)
     patched = model_patcher.clone(model_override=(new_model, ({}, {}, {}, set())))
     patched.patches = {k: list(v) for k, v in model_patcher.patches.items()}  # read by quantize_in_place only
@@ -378,7 +382,7 @@ def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype 
     new_model.lowbit_info = LowBitModelInfo(source="quantized in memory", plan=plan, policy=policy.to_dict(),
                                             ops=config.to_dict(), baked_patches=baked)
     patched.cached_patcher_init = _reload_recipe(model_patcher, policy, compute_dtype, backend, pre_quant_scales,
-                                                 outlier_channels)
+                                                 outlier_channels, fuse_inputs)
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(plan.counts().items()))
     log.info("LowBit: quantized %s in memory (mode=%s, preset=%s; %s; %d LoRA/weight patches baked)",
              type(source).__name__, plan.mode, plan.preset, counts, baked)
@@ -412,19 +416,19 @@ def _finish_copy(patched, source_patcher) -> None:
 
 
 def _reload_recipe(model_patcher, policy: Policy, compute_dtype, backend: str, pre_quant_scales=None,
-                   outlier_channels=None):
+                   outlier_channels=None, fuse_inputs: bool = True):
     """``cached_patcher_init`` for the quantized patcher: rebuild the source, re-apply patches, quantize."""
     source_init = getattr(model_patcher, "cached_patcher_init", None)
     if source_init is None:
         return None
     patches = {k: list(v) for k, v in model_patcher.patches.items()}
     return (reload_quantized, (source_init, policy, compute_dtype, backend, patches, dict(pre_quant_scales or {}),
-                               dict(outlier_channels or {})))
+                               dict(outlier_channels or {}), fuse_inputs))
 
 
 def reload_quantized(source_init, policy: Policy, compute_dtype, backend: str, patches: dict,
                      pre_quant_scales: dict | None = None, outlier_channels: dict | None = None,
-                     disable_dynamic: bool = False):
+                     fuse_inputs: bool = True, disable_dynamic: bool = False):
     """Rebuild a model :func:`quantize_model` made (ComfyUI's ``cached_patcher_init`` protocol)."""
     kwargs = {"disable_dynamic": True} if disable_dynamic else {}
     source = source_init[0](*source_init[1], **kwargs)
@@ -435,7 +439,7 @@ def reload_quantized(source_init, policy: Policy, compute_dtype, backend: str, p
         source.patches = {k: list(v) for k, v in patches.items()}
         source.patches_uuid = uuid.uuid4()
     return quantize_model(source, policy, compute_dtype=compute_dtype, backend=backend,
-                          pre_quant_scales=pre_quant_scales, outlier_channels=outlier_channels)
+                          pre_quant_scales=pre_quant_scales, outlier_channels=outlier_channels, fuse_inputs=fuse_inputs)
 
 
 # ---- copying a model without copying its weights ------------------------------------------------

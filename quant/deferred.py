@@ -1,0 +1,179 @@
+"""A linear's input that is not computed yet: the eager form of the act-quant prologues.
+
+A DiT block writes a GELU's output, or a LayerNorm's and then the modulation's, in full in bf16 only
+for the next quantized linear to read it back and quantize it. Run eagerly, the model's own code
+decides the order of ops, so the fusion has to be arranged without changing that code:
+
+* the model's ``nn.GELU`` modules and its affine-free LayerNorms return a :class:`DeferredInput`
+  (``defer_gelu`` / ``defer_layer_norm``): a tensor subclass with the output's shape, dtype and device
+  that holds only a recipe (``kernels/prologue.py``);
+* two follow-up ops extend the recipe instead of running: ``torch.cat((a, gelu), -1)`` (Flux's single
+  blocks) and ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation, ComfyUI's ``apply_mod``);
+* a LowBit linear that receives one hands the recipe to its format's fused path
+  (``FormatCodec.prologue_linear``): the act-quant kernel computes the rows from the sources.
+
+Anything else that touches a :class:`DeferredInput` - any other op, a linear that cannot fuse, a
+metadata query beyond shape/dtype/device - gets the materialized tensor (``prologue.materialize()``:
+the unfused graph in torch, computed once and kept), so the fusion can only change how an input is
+computed, never what: a consumer this module does not know sees an ordinary tensor.
+
+Nothing here imports ComfyUI; ``nodes/comfy_ops.py`` installs the producers on a model's modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..kernels.backend import interpreting
+from ..kernels.prologue import GELU_APPROXIMATIONS, GeluPrologue, NormModPrologue
+
+MAX_FEATURES = 32768  # the act-quant kernel's register-resident rows (triton_act_quant.MAX_BLOCK_K)
+
+_CAT = {torch.cat, getattr(torch, "concat", torch.cat), getattr(torch, "concatenate", torch.cat)}
+#: what a DeferredInput answers itself: its metadata (anything else materializes it)
+_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.ndim.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.requires_grad.__get__,
+             torch.Tensor.layout.__get__, torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel,
+             torch.Tensor.is_floating_point, torch.Tensor.__len__}
+
+
+class DeferredInput(torch.Tensor):
+    """A tensor known by its recipe (``prologue``, 2-D) and its leading dims (``lead_shape``).
+
+    ``materialize()`` computes it (once); every op but the ones listed in the module docstring runs on
+    that value. ``prologue`` is what a fused linear takes.
+    """
+
+    @staticmethod
+    def __new__(cls, prologue, lead_shape):
+        src = prologue.source
+        shape = (*lead_shape, prologue.shape[1])
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=src.dtype, device=src.device,
+                                                   requires_grad=False)
+
+    def __init__(self, prologue, lead_shape):
+        self.prologue = prologue
+        self.lead_shape = tuple(lead_shape)
+        self._value = None
+
+    def materialize(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self.prologue.materialize().reshape(*self.lead_shape, self.prologue.shape[1])
+        return self._value
+
+    def __repr__(self):
+        return f"DeferredInput({type(self.prologue).__name__}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        out = None
+        if func in _CAT:
+            out = _deferred_cat(*args, **kwargs)
+        elif func is torch.addcmul:
+            out = _deferred_addcmul(*args, **kwargs)
+        if out is not None:
+            return out
+        args, kwargs = tree_map(_value, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(_value, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _value(obj):
+    return obj.materialize() if isinstance(obj, DeferredInput) else obj
+
+
+def materialize(x):
+    """``x`` as an ordinary tensor (a :class:`DeferredInput` computed; anything else as it is)."""
+    return _value(x)
+
+
+def can_defer(x: torch.Tensor) -> bool:
+    """Whether a producer may return a :class:`DeferredInput` for an output shaped like ``x``: a plain
+    floating tensor of at least 2 dims on a device LowBit's Triton kernels run on, outside
+    ``torch.compile`` tracing and autograd, rows narrow enough for the act-quant kernel."""
+    return (type(x) is torch.Tensor and x.dim() >= 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (x.is_cuda or interpreting()) and not (x.requires_grad and torch.is_grad_enabled())
+            and 0 < x.shape[-1] <= MAX_FEATURES and x.numel() > 0 and not torch.compiler.is_compiling())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, features]`` (a view where the strides allow), unit column stride."""
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
+def defer_gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``gelu(x)``, deferred where :func:`can_defer` allows (else computed)."""
+    if approximate in GELU_APPROXIMATIONS and can_defer(x):
+        return DeferredInput(GeluPrologue(_rows(x), None, approximate), x.shape[:-1])
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+def defer_layer_norm(x: torch.Tensor, eps: float) -> DeferredInput | None:
+    """``layer_norm(x)`` over the last dim without affine weights, deferred; ``None`` where it cannot be."""
+    if not can_defer(x):
+        return None
+    return DeferredInput(NormModPrologue(_rows(x), float(eps)), x.shape[:-1])
+
+
+def _deferred_cat(tensors, dim=0, *, out=None):
+    """``cat((a, gelu(b)), -1)`` as a deferred ``[a | gelu(b)]``; ``None`` for any other concatenation."""
+    if out is not None or not isinstance(tensors, (tuple, list)) or len(tensors) != 2:
+        return None
+    a, d = tensors
+    if not isinstance(d, DeferredInput) or isinstance(a, DeferredInput) or type(a) is not torch.Tensor:
+        return None
+    p = d.prologue
+    if (not isinstance(p, GeluPrologue) or p.a is not None or d._value is not None or a.dim() != d.dim()
+            or dim not in (-1, d.dim() - 1) or a.shape[:-1] != d.shape[:-1] or a.dtype != d.dtype
+            or a.device != d.device or a.shape[-1] + d.shape[-1] > MAX_FEATURES):
+        return None
+    return DeferredInput(GeluPrologue(p.b, _rows(a), p.approximate), d.lead_shape)
+
+
+def _per_batch(t, lead_shape: tuple, features: int) -> torch.Tensor | None:
+    """A modulation tensor that broadcasts over ``[*lead_shape, features]`` one row per batch element
+    (``[B, 1, .., features]``) or one row for all (``[1, .., features]`` / ``[features]``), as ``[B or 1,
+    features]``; ``None`` for any other shape."""
+    if type(t) is not torch.Tensor or t.dim() == 0 or t.shape[-1] != features or t.dim() > len(lead_shape) + 1:
+        return None
+    lead = t.shape[:-1]
+    if all(s == 1 for s in lead):
+        return t.reshape(1, features)
+    if len(lead) == len(lead_shape) and lead[0] == lead_shape[0] and all(s == 1 for s in lead[1:]):
+        return t.reshape(lead[0], features)
+    return None
+
+
+def _deferred_addcmul(shift, tensor1, tensor2, *, value=1, out=None):
+    """``addcmul(shift, layer_norm(x), mult)`` as a deferred modulated norm; ``None`` otherwise."""
+    if out is not None or value != 1 or not isinstance(tensor1, DeferredInput) or isinstance(tensor2, DeferredInput):
+        return None
+    p = tensor1.prologue
+    if not isinstance(p, NormModPrologue) or p.mult is not None or p.shift is not None or tensor1._value is not None:
+        return None
+    lead, k = tensor1.lead_shape, p.shape[1]
+    mult, add = _per_batch(tensor2, lead, k), _per_batch(shift, lead, k)
+    if mult is None or add is None or mult.dtype != tensor1.dtype or add.dtype != tensor1.dtype \
+            or mult.device != tensor1.device or add.device != tensor1.device:
+        return None
+    batches = max(mult.shape[0], add.shape[0])
+    if batches > 1:
+        mult, add = mult.expand(batches, k), add.expand(batches, k)
+    rows_per_batch = math.prod(lead[1:]) if batches > 1 else 0
+    return DeferredInput(NormModPrologue(p.x, p.eps, mult, add, rows_per_batch), lead)
+
+
+__all__ = ["DeferredInput", "can_defer", "defer_gelu", "defer_layer_norm", "materialize"]

@@ -1,0 +1,94 @@
+"""A quantized Flux in real ComfyUI, its LayerNorms and GELUs fused into the activation quantization.
+
+The tiny Flux, quantized by LowBit: its GELUs and affine-free LayerNorms are swapped to deferring
+subclasses (per model; a stock model keeps its classes). Run through ComfyUI with every W8A8 call
+settled on our Triton kernels (the CPU interpreter; ``LOWBIT_TEST_DEVICE=cuda``: the GPU), the
+modulated norms (double blocks' ``img/txt_norm1/2``, single blocks' ``pre_norm``), the MLP GELUs and
+the single blocks' ``cat((attn, gelu(mlp)), 2)`` reach the quantized linears uncomputed and are
+computed inside the activation quantization: each call's codes are those of the input ComfyUI's own
+graph computes (up to the rare code that the last bit of tanh or of the row variance moves), and the
+output is as accurate as the unfused run's.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from comfy_helpers import device, require_comfy, run_flux
+
+require_comfy()
+
+from kernels_helpers import needs_triton_interpreter  # noqa: E402
+from lowbit.kernels import dispatch, triton_act_quant  # noqa: E402
+from lowbit.nodes.comfy_ops import DeferredGELUMixin, DeferredLayerNormMixin  # noqa: E402
+from lowbit.nodes.model_quant import quantize_model  # noqa: E402
+from lowbit.quant.policy import Policy  # noqa: E402
+
+pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
+
+
+class TritonFirst(dispatch.Dispatcher):
+    """Settles every call on the first Triton candidate offered (the CPU measures nothing)."""
+
+    def choose(self, key, candidates, device):
+        name = next((n for n in candidates if n.startswith("triton:")), None)
+        if name is None:
+            return super().choose(key, candidates, device)
+        self.decisions[key.as_str()] = name
+        return name
+
+
+@pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise", "int8_hadanorm", "w4a4", "w4a8"))
+def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, monkeypatch):
+    model = quantize_model(float_model, Policy(mode=fmt))
+    dm = model.model.diffusion_model
+    kinds = collections.Counter(type(m).__mro__[1].__name__ for m in dm.modules()
+                                if isinstance(m, (DeferredGELUMixin, DeferredLayerNormMixin)))
+    assert kinds["DeferredGELUMixin"] == 2 * len(dm.double_blocks) + len(dm.single_blocks)
+    assert kinds["DeferredLayerNormMixin"] >= 4 * len(dm.double_blocks) + len(dm.single_blocks)
+    assert not any(isinstance(m, (DeferredGELUMixin, DeferredLayerNormMixin))
+                   for m in float_model.model.diffusion_model.modules())  # the source model is untouched
+
+    calls, differing = [], []
+    real = triton_act_quant.act_quant_triton
+
+    def spy(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
+        calls.append(x)
+        if not isinstance(x, torch.Tensor):  # the same kernel on the input ComfyUI's graph computes
+            ref = real(x.materialize(), *args, **{**kwargs, "split": "pow2"})
+            codes, ref_codes = out[0].float(), ref[0].float()
+            diff = (codes - ref_codes).abs()
+            # one INT8 / e4m3 step (e4m3: or a flipped sign within the subnormals, where the modulation cancels)
+            step = 1.0 if out[0].dtype == torch.int8 else ref_codes.abs() * 0.125 + 2**-5
+            differing.append(((diff > 0).float().mean().item(), bool((diff <= step).all()),
+                              ((out[1] - ref[1]).abs() / ref[1]).max().item(),
+                              (out[2] - ref[2]).abs().max().item() if out[2].numel() else 0.0))
+        return out
+
+    monkeypatch.setattr(triton_act_quant, "act_quant_triton", spy)
+    with dispatch.use_dispatcher(TritonFirst(measure=False, fast=False)):  # no settled plans: all computed
+        unfused = run_flux(model)
+    assert calls and all(isinstance(x, torch.Tensor) for x in calls)
+    with dispatch.use_dispatcher(TritonFirst(measure=False)):
+        run_flux(model)  # settles the plans
+        calls.clear()
+        fused = run_flux(model)
+    prologues = collections.Counter(
+        ("cat" if x.a is not None else "gelu") if type(x).__name__ == "GeluPrologue" else type(x).__name__
+        for x in calls if not isinstance(x, torch.Tensor))
+    assert prologues["NormModPrologue"] == 4 * len(dm.double_blocks) + len(dm.single_blocks)
+    assert prologues["cat"] == len(dm.single_blocks)
+    assert prologues["gelu"] == 2 * len(dm.double_blocks)
+    # every fused call: the codes of the input ComfyUI's own graph computes, but where the last bit of
+    # tanh or of the row variance moves a value to the neighbouring bf16 (then its code moves one step)
+    for frac, within_a_step, scale_rel, mean_diff in differing:
+        assert frac < 1e-3 and within_a_step and scale_rel < 2**-7 and mean_diff < 1e-5
+    # the output: as accurate as the unfused run (this random model amplifies a moved code, so the two
+    # differ by more than the codes do)
+    assert torch.isfinite(fused).all()
+    quant_error = (unfused - float_output).pow(2).mean()
+    assert (fused - float_output).pow(2).mean() <= 1.1 * quant_error
