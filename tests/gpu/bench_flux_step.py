@@ -13,7 +13,15 @@ One run, one JSON report (``--out``), every ratio against bf16 measured in the s
 A mode ending in ``+attn`` (``bf16+attn``, ``fp8_rowwise+attn``...) runs with the Attention Backend
 (LowBit) node's override (``--attention-backend``, default ``auto``: the fastest exact backend,
 measured). Its row has ``speedup`` against stock bf16 and ``speedup_vs_bf16_same_attention``
-against ``bf16+attn`` when that was measured too.
+against ``bf16+attn`` when that was measured too. A format followed by ``+unfused``
+(``fp8_rowwise+unfused+attn``) is quantized with ``fuse_inputs=False``: its norms and GELUs are
+computed as written instead of inside the activation quantization (an A/B of that fusion).
+
+``--rounds R`` (> 0) keeps every mode's model and, after the per-mode pass, times them again in ``R``
+interleaved rounds (one step of each mode per round, in turn), so that a slow phase of the GPU or the
+host hits every mode alike: ``step_s_interleaved`` and ``speedup_interleaved`` (against bf16's
+interleaved median) in each row, and each step's host time (until the forward returned, all its work
+enqueued: a step whose host time nears its step time waited for the CPU).
 
 Not a pytest file (GPU only). ``--size tiny --device cpu`` is a quick smoke run of the same code.
 Usage: ``python tests/gpu/bench_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out r.json``
@@ -108,7 +116,8 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
     x, t, ctx, y, g = args
     opts = {"transformer_options": dict(transformer_options)} if transformer_options else {}
     with torch.inference_mode():
-        out = dm(x, t, ctx, y=y, guidance=g, **opts)
+        out = dm(x, t, ctx, y=y, guidance=g, **opts)  # settles the kernel choices (measures them)
+        dm(x, t, ctx, y=y, guidance=g, **opts)  # the steady-state plans' first calls (fused variants compile)
         sync(device)
         times = []
         for _ in range(iters):
@@ -127,6 +136,28 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 
 ATTN_SUFFIX = "+attn"
+UNFUSED_SUFFIX = "+unfused"
+
+
+def one_step_s(dm, args, device, transformer_options: dict | None = None) -> tuple[float, float]:
+    """Seconds of one forward (CUDA events on a GPU) and seconds until the forward returned on the host
+    (all its work enqueued): when the two are close, the step waited for the CPU."""
+    x, t, ctx, y, g = args
+    opts = {"transformer_options": dict(transformer_options)} if transformer_options else {}
+    with torch.inference_mode():
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            dm(x, t, ctx, y=y, guidance=g, **opts)
+            return (time.perf_counter() - t0,) * 2
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sync(device)
+        start.record()
+        t0 = time.perf_counter()
+        dm(x, t, ctx, y=y, guidance=g, **opts)
+        host = time.perf_counter() - t0
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000, host
 
 
 def attention_options(backend: str) -> dict:
@@ -161,6 +192,8 @@ def run(argv=None) -> dict:
     p.add_argument("--modes", nargs="+", default=["int8", "int8_convrot", "int8_quarot", "int8_hadanorm", "fp8",
                                                   "fp8_rowwise", "w4a8", "w4a4"])
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=0, help="interleaved rounds over all modes after the per-mode pass "
+                   "(keeps every mode's model in memory)")
     p.add_argument("--offload-cap-gb", type=float, default=0.0, help="also run the capped-VRAM comparison")
     p.add_argument("--offload-mode", default="int8_convrot")
     p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
@@ -183,17 +216,20 @@ def run(argv=None) -> dict:
     bf16_s, ref = step_time(dm, args, device, a.iters)
     report["bf16_step_s"] = bf16_s
     log.info("bf16 step %.4f s (%d params)", bf16_s, report["params"])
+    kept = {"bf16": (dm, None)}
     for mode in a.modes:
         row = {}
         fmt = mode[:-len(ATTN_SUFFIX)] if mode.endswith(ATTN_SUFFIX) else mode
         options = attention_options(a.attention_backend) if fmt != mode else None
+        fuse = not fmt.endswith(UNFUSED_SUFFIX)
+        fmt = fmt if fuse else fmt[:-len(UNFUSED_SUFFIX)]
         try:
             if fmt == "bf16":
                 q, qdm = None, dm
             else:
                 sync(device)
                 t0 = time.perf_counter()
-                q = quantize_model(base, Policy(mode=fmt))
+                q = quantize_model(base, Policy(mode=fmt), fuse_inputs=fuse)
                 sync(device)
                 row["quantize_s"] = time.perf_counter() - t0
                 qdm = q.model.diffusion_model
@@ -205,6 +241,8 @@ def run(argv=None) -> dict:
                 row["attention"] = attention_report(options)
                 if same and fmt != "bf16":
                     row["speedup_vs_bf16_same_attention"] = same / step_s
+            if a.rounds > 0:
+                kept[mode] = (qdm, options, q)
             del q, qdm, out
         except Exception as err:  # one mode failing must not lose the others' numbers
             log.exception("mode %s failed", mode)
@@ -214,12 +252,38 @@ def run(argv=None) -> dict:
         free(device)
         if a.out:  # partial results survive a run cut short
             Path(a.out).write_text(json.dumps(report, indent=2))
+    if a.rounds > 0:
+        interleaved(report, kept, args, device, a.rounds)
+        kept.clear()
+        free(device)
     if a.offload_cap_gb > 0 and device.type == "cuda":
         report["offload"] = offload_compare(base, a, args, device)
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return report
+
+
+def interleaved(report: dict, kept: dict, args, device, rounds: int) -> None:
+    """Every kept mode timed once per round, in turn; medians and ratios into the report's rows."""
+    times = {mode: [] for mode in kept}
+    hosts = {mode: [] for mode in kept}
+    for _ in range(rounds):
+        for mode, (qdm, options, *_) in kept.items():
+            step_s, host_s = one_step_s(qdm, args, device, options)
+            times[mode].append(step_s)
+            hosts[mode].append(host_s)
+    bf16 = statistics.median(times["bf16"])
+    report["bf16_host_s_interleaved"] = statistics.median(hosts["bf16"])
+    report["bf16_step_s_interleaved"] = bf16
+    for mode, ts in times.items():
+        if mode == "bf16":
+            continue
+        row = report["modes"].setdefault(mode, {})
+        row.update(step_s_interleaved=statistics.median(ts), speedup_interleaved=bf16 / statistics.median(ts),
+                   step_s_interleaved_all=[round(t, 5) for t in ts],
+                   host_s_interleaved_all=[round(t, 5) for t in hosts[mode]])
+        log.info("%s interleaved: %.4f s, %.3fx", mode, row["step_s_interleaved"], row["speedup_interleaved"])
 
 
 def offload_compare(base, a, args, device) -> dict:

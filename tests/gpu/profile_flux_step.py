@@ -8,6 +8,8 @@ attention and the rest ("other": norms, modulation, RoPE, GELU, adds, copies), l
 and records the dispatcher's decisions for the mode, so a step that is slower than its linears
 promise shows where the time went.
 
+A mode ending in ``+unfused`` is quantized with ``fuse_inputs=False`` (see ``bench_flux_step``).
+
 Usage: ``python tests/gpu/profile_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out prof.json``
 """
 
@@ -185,7 +187,8 @@ def main(argv=None) -> dict:
     log.info("bf16: %s", report["runs"]["bf16"]["by_category_ms"])
     for mode in a.modes:
         try:
-            q = quantize_model(base, Policy(mode=mode))
+            fmt = mode.removesuffix(bfs.UNFUSED_SUFFIX)  # "+unfused": norms and GELUs computed as written
+            q = quantize_model(base, Policy(mode=fmt), fuse_inputs=fmt == mode)
             before = set(current_dispatcher().decisions)
             row = profile_step(step(q), device)
             row["host"] = host_cost(q.model.diffusion_model.double_blocks[0].img_attn.qkv, device)
