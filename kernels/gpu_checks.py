@@ -323,9 +323,10 @@ def verify(device: torch.device) -> list[str]:
         qr, sr, _ = act_quant_triton(p.materialize(), dt, qmax, rotation, group, None, False, split="pow2")
         diff = (q.float() - qr.float()).abs()
         frac = (diff > 0).float().mean().item()
-        # e4m3: one step (an eighth of the value), or any sign of a value within the subnormals (below
-        # 2^-6 code units: where shift + norm * mult nearly cancels, its last bit can flip the sign)
-        near = (diff <= qr.float().abs() * 0.125 + 2**-5).all().item() if fp8 else diff.max().item() <= 1
+        # e4m3: a step (an eighth of the value) plus 2^-7 of the row's range: where shift + norm * mult
+        # nearly cancels, one bf16 step of the norm (ours against torch's) is a large share of the sum
+        # (measured: 3.0 against 3.5 code units, the exact value 3.29), the same share of INT8's coarser grid
+        near = (diff <= qr.float().abs() * 0.125 + qmax * 2**-7).all().item() if fp8 else diff.max().item() <= 1
         check(f"prologue {type(p).__name__} m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'}",
               bool(torch.isfinite(q.float()).all()) and frac < 1e-3 and near and torch.allclose(s, sr, rtol=2**-7),
               f"codes differing {frac:.2e}, max {diff.max().item():.3g}, scale rel {((s - sr).abs() / sr).max().item():.1e}")

@@ -62,8 +62,9 @@ def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, mo
             ref = real(x.materialize(), *args, **{**kwargs, "split": "pow2"})
             codes, ref_codes = out[0].float(), ref[0].float()
             diff = (codes - ref_codes).abs()
-            # one INT8 / e4m3 step (e4m3: or a flipped sign within the subnormals, where the modulation cancels)
-            step = 1.0 if out[0].dtype == torch.int8 else ref_codes.abs() * 0.125 + 2**-5
+            # one INT8 step; e4m3: a step plus 2^-7 of the range (where shift + norm * mult nearly cancels,
+            # one bf16 step of the norm is a large share of the sum: kernels/gpu_checks.py)
+            step = 1.0 if out[0].dtype == torch.int8 else ref_codes.abs() * 0.125 + 448 * 2**-7
             differing.append(((diff > 0).float().mean().item(), bool((diff <= step).all()),
                               ((out[1] - ref[1]).abs() / ref[1]).max().item(),
                               (out[2] - ref[2]).abs().max().item() if out[2].numel() else 0.0))
