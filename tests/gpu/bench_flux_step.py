@@ -230,6 +230,7 @@ def run(argv=None) -> dict:
                 sync(device)
                 t0 = time.perf_counter()
                 q = quantize_model(base, Policy(mode=fmt), fuse_inputs=fuse)
+                row["fuse_inputs"] = fuse
                 sync(device)
                 row["quantize_s"] = time.perf_counter() - t0
                 qdm = q.model.diffusion_model
