@@ -4,8 +4,9 @@ takes ``b`` (and ``a``) instead, through ``lowbit::quantized_linear_gelu``.
 Transformer MLPs compute ``linear2(gelu(h))``; Flux's single blocks ``linear2(cat((attn, gelu(mlp)), 2))``.
 Compiled as written, inductor writes the GELU's output (and the concatenation) in full in bf16, and
 the quantized linear's activation quantization reads it back. The fused op hands ``a`` and the
-pre-activation ``b`` to one kernel (``kernels/triton_gelu_act_quant.py``) that applies the GELU,
-quantizes the row and writes only the codes: the bf16 intermediate is never stored.
+pre-activation ``b`` to one kernel (the act-quant kernel's GELU prologue, ``kernels/prologue.py``)
+that applies the GELU, quantizes the row and writes only the codes: the bf16 intermediate is never
+stored. (Eager models get the same fusion through ``quant/deferred.py``.)
 
 The pass runs on Dynamo's graph before inductor lowers it (inductor's ``pre_grad_custom_pass``): there
 ``torch.cat``, the GELU and ``torch.ops.lowbit.quantized_linear`` are still single nodes. A match
