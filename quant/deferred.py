@@ -31,6 +31,7 @@ from ..kernels.backend import interpreting
 from ..kernels.prologue import GELU_APPROXIMATIONS, GeluPrologue, NormModPrologue
 
 MAX_FEATURES = 32768  # the act-quant kernel's register-resident rows (triton_act_quant.MAX_BLOCK_K)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _CAT = {torch.cat, getattr(torch, "concat", torch.cat), getattr(torch, "concatenate", torch.cat)}
 #: what a DeferredInput answers itself: its metadata (anything else materializes it)
@@ -103,9 +104,9 @@ def can_defer(x: torch.Tensor) -> bool:
     """Whether a producer may return a :class:`DeferredInput` for an output shaped like ``x``: a plain
     floating tensor of at least 2 dims on a device LowBit's Triton kernels run on, outside
     ``torch.compile`` tracing and autograd, rows narrow enough for the act-quant kernel."""
-    return (type(x) is torch.Tensor and x.dim() >= 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and (x.is_cuda or interpreting()) and not (x.requires_grad and torch.is_grad_enabled())
-            and 0 < x.shape[-1] <= MAX_FEATURES and x.numel() > 0 and not torch.compiler.is_compiling())
+    return (type(x) is torch.Tensor and (x.is_cuda or interpreting()) and x.dtype in _DTYPES and x.dim() >= 2
+            and 0 < x.shape[-1] <= MAX_FEATURES and x.numel() > 0 and not (x.requires_grad and torch.is_grad_enabled())
+            and not torch.compiler.is_compiling())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -136,24 +137,30 @@ def _deferred_cat(tensors, dim=0, *, out=None):
     if not isinstance(d, DeferredInput) or isinstance(a, DeferredInput) or type(a) is not torch.Tensor:
         return None
     p = d.prologue
-    if (not isinstance(p, GeluPrologue) or p.a is not None or d._value is not None or a.dim() != d.dim()
-            or dim not in (-1, d.dim() - 1) or a.shape[:-1] != d.shape[:-1] or a.dtype != d.dtype
-            or a.device != d.device or a.shape[-1] + d.shape[-1] > MAX_FEATURES):
+    if not isinstance(p, GeluPrologue) or p.a is not None or d._value is not None:
         return None
-    return DeferredInput(GeluPrologue(p.b, _rows(a), p.approximate), d.lead_shape)
+    lead, b = d.lead_shape, p.b  # the deferred tensor's metadata, read from plain tensors
+    ndim = len(lead) + 1
+    if (a.dim() != ndim or dim not in (-1, ndim - 1) or a.shape[:-1] != lead or a.dtype != b.dtype
+            or a.device != b.device or a.shape[-1] + b.shape[-1] > MAX_FEATURES):
+        return None
+    return DeferredInput(GeluPrologue(b, _rows(a), p.approximate), lead)
 
 
 def _per_batch(t, lead_shape: tuple, features: int) -> torch.Tensor | None:
     """A modulation tensor that broadcasts over ``[*lead_shape, features]`` one row per batch element
     (``[B, 1, .., features]``) or one row for all (``[1, .., features]`` / ``[features]``), as ``[B or 1,
     features]``; ``None`` for any other shape."""
-    if type(t) is not torch.Tensor or t.dim() == 0 or t.shape[-1] != features or t.dim() > len(lead_shape) + 1:
+    if type(t) is not torch.Tensor:
         return None
-    lead = t.shape[:-1]
-    if all(s == 1 for s in lead):
+    shape = t.shape
+    if not shape or shape[-1] != features or len(shape) > len(lead_shape) + 1:
+        return None
+    numel = t.numel()
+    if numel == features:  # every leading dim is 1
         return t.reshape(1, features)
-    if len(lead) == len(lead_shape) and lead[0] == lead_shape[0] and all(s == 1 for s in lead[1:]):
-        return t.reshape(lead[0], features)
+    if len(shape) == len(lead_shape) + 1 and shape[0] == lead_shape[0] and numel == shape[0] * features:
+        return t.reshape(shape[0], features)  # [B, 1, .., features]
     return None
 
 
@@ -164,10 +171,11 @@ def _deferred_addcmul(shift, tensor1, tensor2, *, value=1, out=None):
     p = tensor1.prologue
     if not isinstance(p, NormModPrologue) or p.mult is not None or p.shift is not None or tensor1._value is not None:
         return None
-    lead, k = tensor1.lead_shape, p.shape[1]
+    lead, x = tensor1.lead_shape, p.x  # the deferred tensor's metadata, read from plain tensors
+    k = x.shape[1]
     mult, add = _per_batch(tensor2, lead, k), _per_batch(shift, lead, k)
-    if mult is None or add is None or mult.dtype != tensor1.dtype or add.dtype != tensor1.dtype \
-            or mult.device != tensor1.device or add.device != tensor1.device:
+    if mult is None or add is None or mult.dtype != x.dtype or add.dtype != x.dtype \
+            or mult.device != x.device or add.device != x.device:
         return None
     batches = max(mult.shape[0], add.shape[0])
     if batches > 1:
