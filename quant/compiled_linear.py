@@ -267,12 +267,17 @@ def _quantized_linear_gelu_impl(a: torch.Tensor | None, b: torch.Tensor, qdata: 
                                 param_tensors: list[torch.Tensor], bias: torch.Tensor | None,
                                 input_scale: torch.Tensor | None, spec: str, backend: str,
                                 approximate: str) -> torch.Tensor:
-    if backend == "auto" and input_scale is None and active_backend() is Backend.AUTO:
+    fusable = backend == "auto" and input_scale is None and active_backend() is Backend.AUTO
+    if fusable:
         out = _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate)
         if out is not None:
             return out
-    return _quantized_linear_impl(gelu_input(a, b, approximate), qdata, param_tensors, bias, input_scale, spec,
-                                  backend)
+    out = _quantized_linear_impl(gelu_input(a, b, approximate), qdata, param_tensors, bias, input_scale, spec, backend)
+    if fusable:  # the unfused call settled a plan: a first call gives the bits of every later one
+        fused = _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate)
+        if fused is not None:
+            return fused
+    return out
 
 
 def _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate) -> torch.Tensor | None:
