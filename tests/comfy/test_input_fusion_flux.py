@@ -94,3 +94,34 @@ def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, mo
     assert torch.isfinite(fused).all()
     quant_error = (unfused - float_output).pow(2).mean()
     assert (fused - float_output).pow(2).mean() <= 1.1 * quant_error
+
+
+class UpcastNorm(torch.nn.LayerNorm):
+    """A norm with a forward of its own (as Wan's upcasting LayerNorm): not what a deferral stands for."""
+
+    def forward(self, x):
+        return super().forward(x.float()).type_as(x)
+
+
+def test_only_plain_gelus_and_affine_free_norms_are_swapped_and_they_compute_as_before():
+    import comfy.ops
+
+    from lowbit.nodes.comfy_ops import install_input_fusion
+
+    model = torch.nn.ModuleDict({
+        "gelu": torch.nn.GELU(approximate="tanh"), "silu": torch.nn.SiLU(),
+        "norm": torch.nn.LayerNorm(64, elementwise_affine=False),
+        "comfy_norm": comfy.ops.disable_weight_init.LayerNorm(64, elementwise_affine=False),
+        "affine": torch.nn.LayerNorm(64), "upcast": UpcastNorm(64, elementwise_affine=False)})
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        before = {name: module(x) for name, module in model.items() if name != "affine"}
+        classes = {}
+        assert install_input_fusion(model, classes) == 3
+        assert install_input_fusion(model, classes) == 0  # idempotent
+        swapped = {name for name, m in model.items() if isinstance(m, (DeferredGELUMixin, DeferredLayerNormMixin))}
+        assert swapped == {"gelu", "norm", "comfy_norm"}
+        assert type(torch.nn.GELU()) is torch.nn.GELU  # nothing global
+        for name, out in before.items():
+            got = model[name](x)
+            assert torch.equal(got * 1, out), name  # any op computes a deferred output as the module did
