@@ -214,15 +214,17 @@ class LowBitLinearMixin:
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, input, *args, **kwargs):
         if isinstance(input, DeferredInput):  # a GELU / LayerNorm output not computed yet (quant/deferred.py)
+            # (the class's forward, not self.forward: ComfyUI's weight-adapter bypass replaces the
+            # instance's forward with a wrapper that calls this one and adds its own term)
             if args or kwargs:
-                return self.forward(input.materialize(), *args, **kwargs)
+                return LowBitLinearMixin.forward(self, input.materialize(), *args, **kwargs)
             out = self._lowbit_prologue_forward(input)
             if out is not None:
                 return out
             # No settled plan yet: the unfused call measures and settles one. Where it is a plan the
             # prologue runs on, run that: a first call gives the bits of every later one (a seed gives
             # the same image on the first run of a workflow as on the next).
-            out = self.forward(input.materialize())
+            out = LowBitLinearMixin.forward(self, input.materialize())
             fused = self._lowbit_prologue_forward(input)
             return out if fused is None else fused
         codec = module_codec(self)
