@@ -384,16 +384,6 @@ def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
     return out
 
 
-def decision(key_fmt: str, device: torch.device, m: int, n: int, k: int) -> str | None:
-    """The settled choice of the current dispatcher for a ``[m, k]`` x ``[n, k]`` call of ``key_fmt``
-    on ``device`` (``None``: not decided yet, or a backend is forced). For fused variants of a linear
-    that reuse its decision (``w8a8_linear.w8a8_gelu_linear``) instead of measuring on their own."""
-    if active_backend() is not Backend.AUTO:
-        return None
-    key = DispatchKey(key_fmt, capability(device), m_bucket(m), n, k)
-    return current_dispatcher().decisions.get(key.as_str())
-
-
 def _register_fast(dispatcher: Dispatcher, key: DispatchKey, device: torch.device, fast_key: tuple | None,
                    make_fast: Callable[[str], Callable | None] | None, name: str) -> None:
     if fast_key is None or make_fast is None or not dispatcher.fast or _is_compiling():
