@@ -46,6 +46,7 @@ import comfy.model_management
 import comfy.ops
 from comfy_kitchen.tensor import QuantizedTensor
 
+from ..kernels.dispatch import current_dispatcher
 from ..quant.compiled_linear import quantized_linear
 from ..quant.deferred import DeferredInput, defer_gelu, defer_layer_norm
 from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatError
@@ -223,9 +224,12 @@ class LowBitLinearMixin:
                 return out
             # No settled plan yet: the unfused call measures and settles one. Where it is a plan the
             # prologue runs on, run that: a first call gives the bits of every later one (a seed gives
-            # the same image on the first run of a workflow as on the next).
+            # the same image on the first run of a workflow as on the next). A call that registered
+            # no plan (a layer whose plan takes no prologue, already settled) is not tried twice.
+            plans = current_dispatcher().fast_plans
+            settled = len(plans)
             out = LowBitLinearMixin.forward(self, input.materialize())
-            fused = self._lowbit_prologue_forward(input)
+            fused = self._lowbit_prologue_forward(input) if len(plans) != settled else None
             return out if fused is None else fused
         codec = module_codec(self)
         if codec is None or not isinstance(self.weight, QuantizedTensor):

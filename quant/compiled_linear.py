@@ -34,6 +34,7 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor
 
 from ..kernels.backend import Backend, active_backend
+from ..kernels.dispatch import current_dispatcher
 from .errors import LowBitError
 
 SPEC_VERSION = "lowbit-linear-v1"
@@ -272,8 +273,10 @@ def _quantized_linear_gelu_impl(a: torch.Tensor | None, b: torch.Tensor, qdata: 
         out = _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate)
         if out is not None:
             return out
+    plans = current_dispatcher().fast_plans
+    settled = len(plans)
     out = _quantized_linear_impl(gelu_input(a, b, approximate), qdata, param_tensors, bias, input_scale, spec, backend)
-    if fusable:  # the unfused call settled a plan: a first call gives the bits of every later one
+    if fusable and len(plans) != settled:  # it settled a plan: the first call gives every later call's bits
         fused = _fused_gelu_linear(a, b, qdata, param_tensors, bias, spec, approximate)
         if fused is not None:
             return fused
