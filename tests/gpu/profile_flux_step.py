@@ -87,6 +87,29 @@ def profile_step(step, device) -> dict:
     }
 
 
+def step_cprofile(step, device, top: int = 40) -> dict:
+    """cProfile of one whole (warmed-up) step on the host: the functions with the most self time and the
+    most cumulative time. Profiling slows every Python call, so read the shares, not the microseconds."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    with torch.inference_mode():
+        step()
+        bfs.sync(device)
+        prof.enable()
+        step()
+        prof.disable()
+        bfs.sync(device)
+    out = {}
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).strip_dirs().sort_stats(order).print_stats(top)
+        out[order] = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+    return out
+
+
 def host_cost(layer, device, calls: int = 300) -> dict:
     """CPU cost of one call of ``layer`` (µs) with an input of 16 tokens, so the GPU work is negligible
     and the queue never throttles the CPU; for a LowBit layer also its format's ``codec.linear`` alone
@@ -168,6 +191,8 @@ def main(argv=None) -> dict:
     p.add_argument("--compile-mode", default="default", help="the node's mode input with --compile (e.g. reduce-overhead)")
     p.add_argument("--attention-backend", default="",
                    help="run through the Attention Backend node with this backend (e.g. auto); default: off")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also cProfile one whole step per mode on the host (where an eager step's CPU time goes)")
     p.add_argument("--out", default="profile_flux_step.json")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -183,6 +208,8 @@ def main(argv=None) -> dict:
     report.update(compile=a.compile, attention_backend=a.attention_backend or None)
     step = step_factory(a, device)
     report["runs"]["bf16"] = profile_step(step(base), device)
+    if a.host_profile:
+        report["runs"]["bf16"]["host_step"] = step_cprofile(step(base), device)
     report["runs"]["bf16"]["host"] = host_cost(base.model.diffusion_model.double_blocks[0].img_attn.qkv, device)
     log.info("bf16: %s", report["runs"]["bf16"]["by_category_ms"])
     for mode in a.modes:
@@ -191,6 +218,8 @@ def main(argv=None) -> dict:
             q = quantize_model(base, Policy(mode=fmt), fuse_inputs=fmt == mode)
             before = set(current_dispatcher().decisions)
             row = profile_step(step(q), device)
+            if a.host_profile:
+                row["host_step"] = step_cprofile(step(q), device)
             row["host"] = host_cost(q.model.diffusion_model.double_blocks[0].img_attn.qkv, device)
             dispatcher = current_dispatcher()
             row["decisions"] = {k: v for k, v in dispatcher.decisions.items() if k not in before}
