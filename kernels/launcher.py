@@ -106,6 +106,8 @@ class TritonLauncher:
                     run(g[0], g[1], g[2], _raw_stream(key[0]), function, packed, None, None, None, *args,
                         *constexprs.values())
                 self.fast_launches += 1
+                if _captured.launches is not None:
+                    _captured.launches.append((self, key, grid, args, constexprs))
                 return
             except Exception as err:  # an API that does not match: never again for this kernel
                 self._disable(f"{type(err).__name__}: {err}")
@@ -113,6 +115,8 @@ class TritonLauncher:
         self.slow_launches += 1
         if self.disabled_reason is None and key is not None:
             self._remember(key, compiled, constexprs)
+        if _captured.launches is not None:
+            _captured.launches.append((self, key, grid, args, constexprs))
 
     # ---- internals --------------------------------------------------------------------------
     def _name(self) -> str:
@@ -220,6 +224,8 @@ _stream_getter = None
 
 def _raw_stream(device_index: int) -> int:
     global _stream_getter
+    if device_index < 0:  # a CPU launch (tests' interpreter-backed kernels): no stream
+        return 0
     if _stream_getter is None:
         try:
             from torch._C import _cuda_getCurrentRawStream as getter
@@ -228,6 +234,188 @@ def _raw_stream(device_index: int) -> int:
                 return torch.cuda.current_stream(index).cuda_stream
         _stream_getter = getter
     return _stream_getter(device_index)
+
+
+# ---- replaying one call's launches -------------------------------------------------------------
+
+class _Captured(threading.local):
+    launches: list | None = None
+
+
+_captured = _Captured()
+
+
+@contextlib.contextmanager
+def capture_launches():
+    """The :class:`TritonLauncher` launches made on this thread inside the block, in order, as
+    ``(launcher, key, grid, args, constexprs)`` (what :meth:`LaunchReplay.build` takes)."""
+    saved, _captured.launches = _captured.launches, []
+    try:
+        yield _captured.launches
+    finally:
+        _captured.launches = saved
+
+
+# id(tensor) -> weak reference: cached operands that never change (a LaunchReplay passes them again)
+_constants: dict[int, weakref.ref] = {}
+
+
+def constant_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` – a cached operand whose contents never change (rotation factors, an empty placeholder) –
+    as one that a :class:`LaunchReplay` may keep and pass to later launches. Returns ``t``."""
+    key = id(t)
+    _constants[key] = weakref.ref(t, lambda _ref, key=key: _constants.pop(key, None))
+    return t
+
+
+def _is_constant(t: torch.Tensor) -> bool:
+    ref = _constants.get(id(t))
+    return ref is not None and ref() is t
+
+
+_replay_failure: list = [None]  # why replays stopped (the first one that raised), else None
+_replays_paused = [0]  # no_replays() blocks entered
+
+
+def replays_enabled() -> bool:
+    return _replay_failure[0] is None and not _replays_paused[0] and fast_launch_enabled()
+
+
+@contextlib.contextmanager
+def no_replays():
+    """Every call inside the block takes its ordinary launches (benchmarks compare against them)."""
+    _replays_paused[0] += 1
+    try:
+        yield
+    finally:
+        _replays_paused[0] -= 1
+
+
+class LaunchReplay:
+    """The Triton launches of one call, launched again for a later call whose tensors play the same roles.
+
+    A linear's steady state calls the same two or three kernels with the same grids, constexprs and
+    sizes on every step; only the tensors change. Building those arguments in Python (shape checks,
+    launch shapes, the specialization key of each launch) cost about as much as the launches
+    themselves. A replay keeps the compiled kernels and every non-tensor argument of one recorded call,
+    and per later call only checks the given tensors, allocates the outputs and launches.
+
+    :meth:`build` takes the launches of one call (:func:`capture_launches`), the tensors the call was
+    given (``inputs``, a fixed order, ``None`` allowed) and the tensors it allocated with ``torch.empty``
+    (``outputs``: results and scratch, a fixed order). Each tensor argument of each launch must be one of
+    those (or a view of one as another dtype of the same size), or a :func:`constant_tensor`; each
+    TMA descriptor must describe one of those; each launch must have a compiled kernel in its
+    launcher's fast path. Otherwise there is no replay (``None``): the caller keeps its ordinary path.
+    The caller keys its replays by everything else its scalar arguments and constexprs depend on.
+
+    :meth:`replay` runs when the new inputs have the recorded dtypes, shapes, strides and 16-byte
+    alignment (what the kernels were specialized on) and returns the new outputs; it returns ``None``
+    (run the ordinary path) when they differ, when a profiler hooked Triton's launches, or on another
+    current device. A replay that raises switches replays off everywhere (logged once).
+    """
+
+    __slots__ = ("device_index", "device", "signatures", "allocs", "steps")
+
+    def __init__(self, device_index, device, signatures, allocs, steps):
+        self.device_index, self.device = device_index, device
+        self.signatures, self.allocs, self.steps = signatures, allocs, steps
+
+    @classmethod
+    def build(cls, launches: Sequence[tuple], inputs: Sequence[torch.Tensor | None],
+              outputs: Sequence[torch.Tensor]) -> "LaunchReplay | None":
+        if not launches or not replays_enabled():
+            return None
+        roles = [*inputs, *outputs]
+        given = [t for t in roles if t is not None]
+        if len({id(t) for t in given}) != len(given):  # one tensor in two roles: a later call may split them
+            return None
+        steps, device_index = [], None
+        for launcher, key, grid, args, constexprs in launches:
+            entry = None if key is None or launcher.disabled_reason else launcher._compiled.get(key)
+            if entry is None or device_index not in (None, key[0]):
+                return None
+            device_index = key[0]
+            spec = []
+            for arg in args:
+                base = getattr(arg, "base", None) if not isinstance(arg, torch.Tensor) else None
+                if isinstance(arg, torch.Tensor):
+                    role = _role_of(arg, roles)
+                    if role is None and not _is_constant(arg):
+                        return None
+                    spec.append((0, arg, None) if role is None else (1, *role))
+                elif isinstance(base, torch.Tensor):  # a host TMA descriptor
+                    role = _role_of(base, roles)
+                    if role is None:
+                        return None
+                    spec.append((2, role[0], _descriptor_maker(arg, role[1])))
+                else:
+                    spec.append((0, arg, None))
+            g = tuple(grid) + (1,) * (3 - len(grid))
+            steps.append((*entry, g[0], g[1], g[2], tuple(spec), tuple(constexprs.values())))
+        device = next(t.device for t in roles if t is not None)
+        signatures = tuple(None if t is None else (t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16 == 0)
+                           for t in inputs)
+        allocs = tuple((tuple(t.shape), t.dtype) for t in outputs)
+        return cls(device_index, device, signatures, allocs, tuple(steps))
+
+    def replay(self, inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
+        for t, sig in zip(inputs, self.signatures):
+            if t is None:
+                if sig is not None:
+                    return None
+            elif sig is None or sig != (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0):
+                return None
+        if _replay_failure[0] is not None or _replays_paused[0] or (_hooks[0] and (_hooks[0].calls or _hooks[1].calls)):
+            return None
+        if self.device_index >= 0 and _current_device() != self.device_index:
+            return None
+        device = self.device
+        outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.allocs]
+        roles = [*inputs, *outputs]
+        stream = _raw_stream(self.device_index)
+        try:
+            for run, function, packed, g0, g1, g2, spec, tail in self.steps:
+                args = [value if kind == 0 else (roles[value] if extra is None else roles[value].view(extra))
+                        if kind == 1 else extra(roles[value]) for kind, value, extra in spec]
+                run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
+        except Exception as err:  # an API that does not match: the ordinary launches from now on
+            _replay_failure[0] = f"{type(err).__name__}: {err}"
+            log.warning("LowBit launch replay failed (%s); launching through the kernels' wrappers from now on",
+                        _replay_failure[0])
+            return None
+        return outputs
+
+
+def _descriptor_maker(desc, dtype: torch.dtype | None):
+    """``make(tensor)``: a host TMA descriptor like ``desc`` over another tensor of the same dtype (or a view of
+    it as ``dtype``), shape, strides and alignment – which the replay has checked, so none of
+    :func:`tma_descriptor`'s checks are repeated."""
+    block_shape = list(desc.block_shape)
+    cls, known = _descriptor_class if _descriptor_class is not None else (None, False)
+    if not known or type(desc) is not cls or any(getattr(desc, f, None) != getattr(cls, f, None)
+                                                 for f in ("padding", "round_f32_to_tf32") if hasattr(cls, f)):
+        return lambda t: tma_descriptor(t if dtype is None else t.view(dtype), block_shape)
+    shape, strides = desc.shape, desc.strides
+
+    def make(t):
+        new = cls.__new__(cls)
+        new.base, new.shape, new.strides, new.block_shape = t if dtype is None else t.view(dtype), shape, strides, \
+            block_shape
+        return new
+    return make
+
+
+def _role_of(t: torch.Tensor, roles: Sequence[torch.Tensor | None]) -> tuple[int, torch.dtype | None] | None:
+    """``(index, dtype to view it as or None)`` of the role ``t`` is (itself, or a same-size dtype view of it)."""
+    for i, r in enumerate(roles):
+        if r is t:
+            return i, None
+    if not t.numel():
+        return None
+    views = [i for i, r in enumerate(roles)
+             if r is not None and r.data_ptr() == t.data_ptr() and r.element_size() == t.element_size()
+             and r.shape == t.shape and r.stride() == t.stride() and r.device == t.device]
+    return (views[0], t.dtype) if len(views) == 1 else None
 
 
 # ---- host TMA descriptors -----------------------------------------------------------------------

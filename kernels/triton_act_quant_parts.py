@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .hadamard import hadamard_matrix
+from .launcher import constant_tensor
 
 ROTATE_IMPLS = {"permute": 0, "batched": 1, "dense": 2, "tf32": 3}  # the kernels' ROT_IMPL
 
@@ -249,8 +250,8 @@ def _rotation_factors(kind: str, group_size: int, device: torch.device) -> tuple
     outer = group_size // 16
     p = torch.ones(1, 1) if outer == 1 else hadamard_matrix(kind, outer) * outer**0.5
     pfull = torch.kron(torch.eye(256 // group_size), p)
-    return (pfull.round().to(device=device, dtype=torch.float16).contiguous(),
-            q16.round().to(device=device, dtype=torch.float16).contiguous(),
+    return (constant_tensor(pfull.round().to(device=device, dtype=torch.float16).contiguous()),
+            constant_tensor(q16.round().to(device=device, dtype=torch.float16).contiguous()),
             1.0 / group_size**0.5, outer > 1)
 
 
@@ -258,7 +259,7 @@ def _rotation_factors(kind: str, group_size: int, device: torch.device) -> tuple
 def _dense_rotation(kind: str, group_size: int, device: torch.device) -> torch.Tensor:
     """±1 fp16 ``Pfull ⊗ H16`` (256×256): one super-block's whole rotation, for ``rotate_impl="dense"``."""
     pmat, qmat, _, _ = _rotation_factors(kind, group_size, device)
-    return torch.kron(pmat.float(), qmat.float()).to(torch.float16).contiguous()
+    return constant_tensor(torch.kron(pmat.float(), qmat.float()).to(torch.float16).contiguous())
 
 
 def _pow2_at_least(value: int) -> int:
@@ -285,4 +286,4 @@ def _rotation_operands(rotation: str, group_size: int, rotate_impl: str, device:
 @functools.lru_cache(maxsize=64)
 def _no_mean(device: torch.device, m: int) -> torch.Tensor:
     """The ``[m, 0]`` mean of an uncentred call (no data: cached instead of allocated per call)."""
-    return torch.empty((m, 0), dtype=torch.float32, device=device)
+    return constant_tensor(torch.empty((m, 0), dtype=torch.float32, device=device))

@@ -15,7 +15,9 @@ A mode ending in ``+attn`` (``bf16+attn``, ``fp8_rowwise+attn``...) runs with th
 measured). Its row has ``speedup`` against stock bf16 and ``speedup_vs_bf16_same_attention``
 against ``bf16+attn`` when that was measured too. A format followed by ``+unfused``
 (``fp8_rowwise+unfused+attn``) is quantized with ``fuse_inputs=False``: its norms and GELUs are
-computed as written instead of inside the activation quantization (an A/B of that fusion).
+computed as written instead of inside the activation quantization (an A/B of that fusion). A
+``+noreplay`` after the format (``fp8_rowwise+noreplay+attn``, also after ``+unfused``) runs with the kernels'
+launch replays switched off (``kernels/launcher.py``: every call builds its launches' arguments).
 
 ``--rounds R`` (> 0) keeps every mode's model and, after the per-mode pass, times them again in ``R``
 interleaved rounds (one step of each mode per round, in turn), so that a slow phase of the GPU or the
@@ -137,6 +139,20 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 ATTN_SUFFIX = "+attn"
 UNFUSED_SUFFIX = "+unfused"
+NO_REPLAY_SUFFIX = "+noreplay"
+
+
+class WithoutReplays:
+    """A diffusion model called with the kernels' launch replays switched off (``+noreplay`` modes)."""
+
+    def __init__(self, dm):
+        self.dm = dm
+
+    def __call__(self, *args, **kwargs):
+        from lowbit.kernels.launcher import no_replays
+
+        with no_replays():
+            return self.dm(*args, **kwargs)
 
 
 def one_step_s(dm, args, device, transformer_options: dict | None = None) -> tuple[float, float]:
@@ -221,6 +237,8 @@ def run(argv=None) -> dict:
         row = {}
         fmt = mode[:-len(ATTN_SUFFIX)] if mode.endswith(ATTN_SUFFIX) else mode
         options = attention_options(a.attention_backend) if fmt != mode else None
+        replay = not fmt.endswith(NO_REPLAY_SUFFIX)
+        fmt = fmt if replay else fmt[:-len(NO_REPLAY_SUFFIX)]
         fuse = not fmt.endswith(UNFUSED_SUFFIX)
         fmt = fmt if fuse else fmt[:-len(UNFUSED_SUFFIX)]
         try:
@@ -235,6 +253,7 @@ def run(argv=None) -> dict:
                 row["quantize_s"] = time.perf_counter() - t0
                 qdm = q.model.diffusion_model
                 row["weight_bytes"] = sum(getattr(p, "nbytes", p.numel() * p.element_size()) for p in qdm.parameters())
+                qdm = qdm if replay else WithoutReplays(qdm)
             step_s, out = step_time(qdm, args, device, a.iters, options)
             row.update(step_s=step_s, speedup=bf16_s / step_s, rel_err=rel_err(out, ref))
             same = report["modes"].get("bf16" + ATTN_SUFFIX, {}).get("step_s")

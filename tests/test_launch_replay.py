@@ -1,0 +1,235 @@
+"""Launch replays (``kernels/launcher.LaunchReplay``, ``kernels/replay.PlanReplays``): a steady-state plan's
+third call of a kind of input relaunches the recorded kernels with the new tensors, and gives the
+ordinary path's output bit for bit; anything it cannot vouch for takes the ordinary path.
+
+On a GPU the recorded launches are compiled kernels. Here every launcher's "compiled kernel" runs the
+same Triton kernel in the CPU interpreter (fixture ``interpreted``), so the fast launches and their
+replays run the very argument lists a GPU would get, TMA descriptors included.
+"""
+
+from __future__ import annotations
+
+from kernels_helpers import needs_triton_interpreter, randint8, randn
+
+import pytest
+import torch
+from comfy_kitchen.backends.eager import w4a8_int8 as ck_w4a8
+
+from lowbit.kernels import launcher
+from lowbit.kernels.gemm_config import GemmConfig
+from lowbit.kernels.launcher import LaunchReplay, TritonLauncher, capture_launches, constant_tensor
+from lowbit.kernels.prologue import GeluPrologue, NormModPrologue
+from lowbit.kernels.reference import FP8
+from lowbit.kernels.replay import PlanReplays
+from lowbit.kernels.w4_linear import _ExpandW4Plan, _TritonW4Plan
+from lowbit.kernels.w8a8_linear import _TritonW8A8Plan
+
+pytestmark = needs_triton_interpreter()
+
+K, N = 256, 48
+POINTER = GemmConfig(32, 32, 64, 4, 4, 2)
+TMA_STORE_SUB = GemmConfig(32, 64, 64, 4, 4, 2, tma=True, persistent=True, tma_store=True, subtile=True)
+TMA = GemmConfig(32, 32, 64, 4, 4, 2, tma=True, tma_store=True)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Every launcher keeps, per specialization, a stand-in compiled kernel that runs its Triton kernel in
+    the interpreter with the arguments a compiled kernel's ``run`` receives. Returns the list of kernels run
+    through those stand-ins (fast launches and replays)."""
+    ran = []
+
+    def remember(self, key, compiled, constexprs):
+        names = list(constexprs)
+
+        def run(gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
+            ran.append(self.kernel)
+            runtime, values = args[:len(args) - len(names)], args[len(args) - len(names):]
+            self.kernel[(gx, gy, gz)](*runtime, **dict(zip(names, values)))
+
+        self._compiled[key] = (run, None, None)
+
+    monkeypatch.setattr(TritonLauncher, "_remember", remember)
+    for each in list(launcher._ALL):
+        monkeypatch.setattr(each, "disabled_reason", None)
+        monkeypatch.setattr(each, "_compiled", {})
+    monkeypatch.setattr(launcher, "_replay_failure", [None])
+    return ran
+
+
+def _weights(fp8=False, seed=0):
+    w = (randn(N, K, seed=seed) * 40).to(FP8) if fp8 else randint8(N, K, seed=seed)
+    return {"weight": w, "scale": torch.rand(N, generator=torch.Generator().manual_seed(seed + 1)) / 64 + 1e-3,
+            "bias": randn(N, seed=seed + 2, dtype=torch.bfloat16), "smooth": torch.rand(K) + 0.5,
+            "rowsum": randn(N, seed=seed + 3)}
+
+
+W8A8 = {  # name: (config, rotation, group, smooth + centre, fp8)
+    "int8-pointer": (POINTER, "none", 0, False, False),
+    "convrot-tma-persistent-sub": (TMA_STORE_SUB, "regular", 256, False, False),
+    "hadanorm-tma": (TMA, "sylvester", 128, True, False),
+    "fp8-tma-persistent-sub": (TMA_STORE_SUB, "none", 0, False, True),
+    "int8-torch-mm": (None, "none", 0, False, False),
+}
+
+
+def _w8a8(name):
+    config, rotation, group, smooth_center, fp8 = W8A8[name]
+    plan = _TritonW8A8Plan(config, rotation, group, smooth_center, fp8, torch.bfloat16, scale_as_is=True)
+    w = _weights(fp8)
+
+    def call(x, weights=w):
+        return plan(x, weights["weight"], weights["scale"], weights["bias"],
+                    weights["smooth"] if smooth_center else None, weights["rowsum"] if smooth_center else None)
+    return plan, call
+
+
+def _inputs(kind, m, seed):
+    x = randn(m, K, seed=seed, dtype=torch.bfloat16)
+    if kind == "tensor":
+        return x
+    if kind == "gelu":
+        return GeluPrologue(b=x[:, 64:].contiguous(), a=x[:, :64].contiguous(), approximate="tanh")
+    mult, shift = randn(1, K, seed=seed + 1, dtype=torch.bfloat16), randn(1, K, seed=seed + 2, dtype=torch.bfloat16)
+    return NormModPrologue(x, 1e-6, mult, shift)
+
+
+def _launches() -> int:
+    """Launches made through the launchers (a replay makes none)."""
+    return sum(each.fast_launches + each.slow_launches for each in list(launcher._ALL))
+
+
+def _ordinary(plan, x, call):
+    """What the plan's ordinary path gives for ``x`` (a fresh plan has no recording)."""
+    saved, plan.replays = plan.replays, PlanReplays()
+    try:
+        return call(x)
+    finally:
+        plan.replays = saved
+
+
+@pytest.mark.parametrize("kind", ["tensor", "gelu", "norm"])
+@pytest.mark.parametrize("name", list(W8A8))
+def test_w8a8_replays_give_the_ordinary_bits(name, kind, interpreted):
+    plan, call = _w8a8(name)
+    m = 19
+    call(_inputs(kind, m, seed=1))  # ordinary
+    call(_inputs(kind, m, seed=2))  # recorded
+    (key, replay), = plan.replays.entries.items()
+    assert isinstance(replay, LaunchReplay), "the plan's launches must be replayable"
+    for seed in (3, 4):
+        x = _inputs(kind, m, seed=seed)
+        before, launched = len(interpreted), _launches()
+        replayed = call(x)
+        assert len(interpreted) - before == len(replay.steps) == (1 if W8A8[name][0] is None else 2)
+        assert _launches() == launched, "a replay launches without the launchers' argument handling"
+        expected = _ordinary(plan, x, call)
+        assert torch.equal(replayed, expected)
+    # the replay serves every layer of the plan: another weight of the same shapes, its own bits
+    other = _weights(W8A8[name][4], seed=10)
+    x = _inputs(kind, m, seed=5)
+    assert torch.equal(call(x, other), _ordinary(plan, x, lambda x: call(x, other)))
+
+
+W4 = {  # name: (plan class, config, qmax, codebook)
+    "w4a4-pointer": (_TritonW4Plan, GemmConfig(32, 32, 64, 4, 4, 2), 7.0, False),
+    "w4a8-codebook-tma": (_TritonW4Plan, GemmConfig(32, 32, 64, 4, 4, 2, tma=True, tma_store=True), 127.0, True),
+    "w4a8-expand-persistent": (_ExpandW4Plan, TMA_STORE_SUB, 127.0, True),
+}
+CODEBOOK = torch.tensor(ck_w4a8._FIXED_LUT)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "norm"])
+@pytest.mark.parametrize("name", list(W4))
+def test_w4_replays_give_the_ordinary_bits(name, kind, interpreted):
+    cls, config, qmax, codebook = W4[name]
+    plan = cls(config, qmax, 256, 16, torch.bfloat16)
+    packed = randint8(N, K // 2, seed=7, low=-128)
+    w_scale = torch.rand(N, generator=torch.Generator().manual_seed(8)) / 64 + 1e-3
+    s_rel = (torch.rand(N, K // 16, generator=torch.Generator().manual_seed(9)) * 60 + 4).to(FP8) if codebook else None
+    bias = randn(N, seed=10, dtype=torch.bfloat16)
+
+    def call(x):
+        return plan(x, packed, w_scale, bias, s_rel, CODEBOOK if codebook else None, None)
+    for seed in (1, 2):
+        call(_inputs(kind, 21, seed))
+    assert isinstance(next(iter(plan.replays.entries.values())), LaunchReplay)
+    x = _inputs(kind, 21, 3)
+    before, launched = len(interpreted), _launches()
+    replayed = call(x)
+    assert len(interpreted) > before and _launches() == launched
+    assert torch.equal(replayed, _ordinary(plan, x, call))
+
+
+def test_inputs_unlike_the_recording_take_the_ordinary_path(interpreted):
+    plan, call = _w8a8("convrot-tma-persistent-sub")
+    for seed in (1, 2):
+        call(_inputs("tensor", 19, seed))
+    replay = next(iter(plan.replays.entries.values()))
+    wide = randn(19, K + 8, seed=3, dtype=torch.bfloat16)
+    strided = wide[:, :K]  # another row stride: its own kind of input, recorded after one ordinary call
+    assert torch.equal(call(strided), _ordinary(plan, strided, call))
+    misaligned = wide.reshape(-1)[1:1 + 19 * K].view(19, K)  # the recorded kind, but not 16-byte aligned
+    assert replay.replay((misaligned, *([None] * 5))) is None
+    w = _weights()
+    assert replay.replay((misaligned.contiguous(), w["weight"], w["scale"], None, None, None)) is None  # no bias
+    launched = _launches()
+    assert torch.equal(call(misaligned), _ordinary(plan, misaligned, call))
+    assert _launches() - launched == 4, "both calls launch through the launchers"
+
+
+def test_a_tensor_of_no_known_role_makes_no_replay(interpreted):
+    plan, _ = _w8a8("int8-pointer")
+    w = _weights()
+    x = _inputs("tensor", 19, 1)
+    inputs = (x, w["weight"], w["scale"], w["bias"], None, None)
+    plan._launch(*inputs)  # the stand-in compiled kernels
+    with capture_launches() as launches:
+        q, scale, out = plan._launch(*inputs)
+    assert len(launches) == 2
+    assert isinstance(LaunchReplay.build(launches, inputs, (q, scale, out)), LaunchReplay)
+    assert LaunchReplay.build(launches, inputs, (q, out)) is None  # the codes' scales: a tensor nobody declared
+    # one tensor in two roles: a later call may pass two different tensors there
+    assert LaunchReplay.build(launches, (x, w["weight"], w["scale"], w["bias"], x, None), (q, scale, out)) is None
+
+
+def test_constant_tensors_are_kept_and_others_are_not():
+    kept = constant_tensor(torch.ones(3))
+    assert launcher._is_constant(kept)
+    assert not launcher._is_constant(torch.ones(3))
+    assert not launcher._is_constant(kept.clone())
+
+
+def test_a_failing_replay_switches_replays_off_and_the_call_still_runs(interpreted, monkeypatch, caplog):
+    plan, call = _w8a8("int8-pointer")
+    for seed in (1, 2):
+        call(_inputs("tensor", 19, seed))
+    replay = next(iter(plan.replays.entries.values()))
+    step = replay.steps[0]
+
+    def broken(*args):
+        raise RuntimeError("launcher API changed")
+    replay.steps = ((broken, *step[1:]),) + replay.steps[1:]
+    x = _inputs("tensor", 19, 3)
+    with caplog.at_level("WARNING"):
+        out = call(x)
+    assert "launch replay failed" in caplog.text
+    assert not launcher.replays_enabled()
+    assert torch.equal(out, _ordinary(plan, x, call))
+    other, call_other = _w8a8("int8-pointer")
+    for seed in (1, 2):
+        call_other(_inputs("tensor", 19, seed))
+    assert not any(isinstance(e, LaunchReplay) for e in other.replays.entries.values())
+
+
+def test_a_profiler_hook_takes_the_ordinary_path(interpreted, monkeypatch):
+    plan, call = _w8a8("int8-pointer")
+    for seed in (1, 2):
+        call(_inputs("tensor", 19, seed))
+    replay = next(iter(plan.replays.entries.values()))
+
+    class Chain:
+        calls = [object()]
+    monkeypatch.setattr(launcher, "_hooks", [Chain(), Chain()])
+    w = _weights()
+    assert replay.replay((_inputs("tensor", 19, 3), w["weight"], w["scale"], w["bias"], None, None)) is None
