@@ -168,6 +168,26 @@ def module_codec(module: torch.nn.Module) -> FormatCodec | None:
     return get_format(name) if name is not None else None
 
 
+_ABSENT = object()
+
+
+def _module_attr(module: torch.nn.Module, name: str, default=None):
+    """``getattr(module, name, default)`` for an instance attribute, parameter, buffer or plain class
+    attribute of a Module, without ``nn.Module.__getattr__`` raising (and ``getattr`` catching) for an
+    absent name: a LowBit layer asks for several optional attributes on every call."""
+    d = module.__dict__
+    value = d.get(name, _ABSENT)
+    if value is _ABSENT:
+        value = d["_parameters"].get(name, _ABSENT)
+        if value is _ABSENT:
+            value = d["_buffers"].get(name, _ABSENT)
+            if value is _ABSENT:
+                value = getattr(type(module), name, default)
+                if isinstance(value, property):  # not a plain attribute: ask the instance
+                    value = getattr(module, name, default)
+    return value
+
+
 def _run_every_op() -> None:
     hook = getattr(comfy.ops, "run_every_op", None)
     if hook is not None:
@@ -232,7 +252,7 @@ class LowBitLinearMixin:
             fused = self._lowbit_prologue_forward(input) if len(plans) != settled else None
             return out if fused is None else fused
         codec = module_codec(self)
-        if codec is None or not isinstance(self.weight, QuantizedTensor):
+        if codec is None or not isinstance(_module_attr(self, "weight"), QuantizedTensor):
             return super().forward(input, *args, **kwargs)
         _run_every_op()
         input = self._lowbit_pre_quant(input)
@@ -254,12 +274,12 @@ class LowBitLinearMixin:
         (``codec.prologue_linear``), where the steady-state path would run (weights resident in the input's
         dtype, no patches, no forced backend, no smoothing scales); ``None`` otherwise."""
         codec = module_codec(self)
-        if codec is None or not isinstance(self.weight, QuantizedTensor) or hasattr(self, "_v"):
+        if codec is None or not isinstance(_module_attr(self, "weight"), QuantizedTensor) or "_v" in self.__dict__:
             return None
         config: LowBitOpsConfig = self.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
         src = input.prologue.source
-        if (config.backend != "auto" or getattr(self, PRE_QUANT_SCALE, None) is not None
-                or getattr(self, "input_scale", None) is not None or not self._lowbit_runs_quantized(src, config)):
+        if (config.backend != "auto" or _module_attr(self, PRE_QUANT_SCALE) is not None
+                or _module_attr(self, "input_scale") is not None or not self._lowbit_runs_quantized(src, config)):
             return None
         weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
         if weight.device != src.device or weight.dtype != src.dtype or (
@@ -288,14 +308,14 @@ class LowBitLinearMixin:
         so the next call goes straight to the kernels; a new weight (LoRA merge, device move)
         binds again. The weight is referenced weakly: the cache never keeps a replaced weight alive.
         """
-        if config.backend != "auto" or hasattr(self, "_v"):
+        if config.backend != "auto" or "_v" in self.__dict__:
             return None
         weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
         device, dtype = input.device, input.dtype
         if weight.device != device or weight.dtype != dtype or (
                 bias is not None and (bias.device != device or bias.dtype != dtype)):
             return None
-        input_scale = getattr(self, "input_scale", None)
+        input_scale = _module_attr(self, "input_scale")
         cached = self.__dict__.get(RUNNER_ATTR)
         if (cached is None or cached[0]() is not weight or cached[1] != device or cached[2] != input.shape[-1]
                 or cached[3] is not input_scale):
@@ -306,7 +326,7 @@ class LowBitLinearMixin:
 
     def _lowbit_pre_quant(self, input):
         """``input * pre_quant_scale`` in the input's dtype, as stock ComfyUI applies it (``input`` without one)."""
-        scale = getattr(self, PRE_QUANT_SCALE, None)
+        scale = _module_attr(self, PRE_QUANT_SCALE)
         if scale is None:
             return input
         if isinstance(input, QuantizedTensor):
@@ -317,10 +337,10 @@ class LowBitLinearMixin:
     def _lowbit_runs_quantized(self, input, config: LowBitOpsConfig) -> bool:
         return not (
             isinstance(input, QuantizedTensor)
-            or getattr(self, "quant_format", None) in config.dequantize_formats
-            or getattr(self, "_full_precision_mm", False)
-            or getattr(self, "comfy_force_cast_weights", False)
-            or len(self.weight_function) > 0 or len(self.bias_function) > 0
+            or _module_attr(self, "quant_format") in config.dequantize_formats
+            or _module_attr(self, "_full_precision_mm", False)
+            or _module_attr(self, "comfy_force_cast_weights", False)
+            or len(_module_attr(self, "weight_function", ())) > 0 or len(_module_attr(self, "bias_function", ())) > 0
             or (input.requires_grad and torch.is_grad_enabled())  # training: float path has autograd
         )
 
