@@ -174,12 +174,13 @@ def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
 
 def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp_path):
     """``bench_flux_step``: a ``+unfused`` mode is quantized with ``fuse_inputs=False`` (``+noreplay``: launch
-    replays off), and ``--rounds``
+    replays off; ``+floatmods``: modulation linears kept in bf16), and ``--rounds``
     times every kept mode again, each step's GPU and host time recorded (same output either way)."""
     out = tmp_path / "step.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(GPU_DIR / "bench_flux_step.py"), "--size", "tiny", "--device", "cpu", "--iters", "1",
-           "--modes", "int8_convrot", "int8_convrot+unfused", "int8_convrot+noreplay", "--rounds", "2", "--out", str(out)]
+           "--modes", "int8_convrot", "int8_convrot+unfused", "int8_convrot+noreplay", "int8_convrot+floatmods", "--rounds", "2",
+           "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -188,6 +189,8 @@ def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp
     no_replay = report["modes"]["int8_convrot+noreplay"]
     assert fused["fuse_inputs"] is True and unfused["fuse_inputs"] is False and no_replay["fuse_inputs"] is True
     assert no_replay["rel_err"] == fused["rel_err"], "launch replays change no bits"
+    float_mods = report["modes"]["int8_convrot+floatmods"]
+    assert float_mods["extra_keep_float"] and float_mods["weight_bytes"] > fused["weight_bytes"]
     for row in (fused, unfused, no_replay):
         assert len(row["step_s_interleaved_all"]) == 2 and len(row["host_s_interleaved_all"]) == 2
         assert row["speedup_interleaved"] > 0

@@ -15,9 +15,10 @@ A mode ending in ``+attn`` (``bf16+attn``, ``fp8_rowwise+attn``...) runs with th
 measured). Its row has ``speedup`` against stock bf16 and ``speedup_vs_bf16_same_attention``
 against ``bf16+attn`` when that was measured too. A format followed by ``+unfused``
 (``fp8_rowwise+unfused+attn``) is quantized with ``fuse_inputs=False``: its norms and GELUs are
-computed as written instead of inside the activation quantization (an A/B of that fusion). A
-``+noreplay`` after the format (``fp8_rowwise+noreplay+attn``, also after ``+unfused``) runs with the kernels'
-launch replays switched off (``kernels/launcher.py``: every call builds its launches' arguments).
+computed as written instead of inside the activation quantization (an A/B of that fusion).
+``+noreplay`` runs with the kernels' launch replays switched off (``kernels/launcher.py``: every call
+builds its launches' arguments); ``+floatmods`` keeps the per-block modulation linears in bf16
+(``Policy.extra_keep_float``). Flags combine in any order: ``int8_convrot+floatmods+attn``.
 
 ``--rounds R`` (> 0) keeps every mode's model and, after the per-mode pass, times them again in ``R``
 interleaved rounds (one step of each mode per round, in turn), so that a slow phase of the GPU or the
@@ -139,7 +140,18 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 ATTN_SUFFIX = "+attn"
 UNFUSED_SUFFIX = "+unfused"
-NO_REPLAY_SUFFIX = "+noreplay"
+#: what a mode's ``+flag``s after the format switch (module docstring)
+MODE_FLAGS = ("attn", "unfused", "noreplay", "floatmods")
+FLOAT_MODULATION = r"(_mod|modulation)\.lin$"  # Flux's per-block modulation linears
+
+
+def parse_mode(mode: str) -> tuple[str, set[str]]:
+    """``"fp8_rowwise+unfused+attn"`` -> ``("fp8_rowwise", {"unfused", "attn"})``; unknown flags raise."""
+    fmt, *flags = mode.split("+")
+    unknown = set(flags) - set(MODE_FLAGS)
+    if unknown:
+        raise SystemExit(f"mode {mode!r}: unknown flags {sorted(unknown)} (known: {', '.join(MODE_FLAGS)})")
+    return fmt, set(flags)
 
 
 class WithoutReplays:
@@ -235,25 +247,23 @@ def run(argv=None) -> dict:
     kept = {"bf16": (dm, None)}
     for mode in a.modes:
         row = {}
-        fmt = mode[:-len(ATTN_SUFFIX)] if mode.endswith(ATTN_SUFFIX) else mode
-        options = attention_options(a.attention_backend) if fmt != mode else None
-        replay = not fmt.endswith(NO_REPLAY_SUFFIX)
-        fmt = fmt if replay else fmt[:-len(NO_REPLAY_SUFFIX)]
-        fuse = not fmt.endswith(UNFUSED_SUFFIX)
-        fmt = fmt if fuse else fmt[:-len(UNFUSED_SUFFIX)]
+        fmt, flags = parse_mode(mode)
+        options = attention_options(a.attention_backend) if "attn" in flags else None
+        fuse = "unfused" not in flags
+        keep = (FLOAT_MODULATION,) if "floatmods" in flags else ()
         try:
             if fmt == "bf16":
                 q, qdm = None, dm
             else:
                 sync(device)
                 t0 = time.perf_counter()
-                q = quantize_model(base, Policy(mode=fmt), fuse_inputs=fuse)
-                row["fuse_inputs"] = fuse
+                q = quantize_model(base, Policy(mode=fmt, extra_keep_float=keep), fuse_inputs=fuse)
+                row.update(fuse_inputs=fuse, extra_keep_float=list(keep))
                 sync(device)
                 row["quantize_s"] = time.perf_counter() - t0
                 qdm = q.model.diffusion_model
                 row["weight_bytes"] = sum(getattr(p, "nbytes", p.numel() * p.element_size()) for p in qdm.parameters())
-                qdm = qdm if replay else WithoutReplays(qdm)
+                qdm = WithoutReplays(qdm) if "noreplay" in flags else qdm
             step_s, out = step_time(qdm, args, device, a.iters, options)
             row.update(step_s=step_s, speedup=bf16_s / step_s, rel_err=rel_err(out, ref))
             same = report["modes"].get("bf16" + ATTN_SUFFIX, {}).get("step_s")
