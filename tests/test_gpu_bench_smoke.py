@@ -193,5 +193,6 @@ def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp
     assert float_mods["extra_keep_float"] and float_mods["weight_bytes"] > fused["weight_bytes"]
     for row in (fused, unfused, no_replay):
         assert len(row["step_s_interleaved_all"]) == 2 and len(row["host_s_interleaved_all"]) == 2
+        assert len(row["step_s_interleaved_cold_all"]) == 2 and row["speedup_interleaved_cold"] > 0
         assert row["speedup_interleaved"] > 0
     assert fused["rel_err"] == pytest.approx(unfused["rel_err"], rel=1e-3)

@@ -21,10 +21,12 @@ builds its launches' arguments); ``+floatmods`` keeps the per-block modulation l
 (``Policy.extra_keep_float``). Flags combine in any order: ``int8_convrot+floatmods+attn``.
 
 ``--rounds R`` (> 0) keeps every mode's model and, after the per-mode pass, times them again in ``R``
-interleaved rounds (one step of each mode per round, in turn), so that a slow phase of the GPU or the
-host hits every mode alike: ``step_s_interleaved`` and ``speedup_interleaved`` (against bf16's
-interleaved median) in each row, and each step's host time (until the forward returned, all its work
-enqueued: a step whose host time nears its step time waited for the CPU).
+interleaved rounds (two consecutive steps of each mode per round, in turn), so that a slow phase of the
+GPU or the host hits every mode alike: ``step_s_interleaved`` and ``speedup_interleaved`` (the second
+step of each pair, against bf16's) in each row, and each step's host time (until the forward returned,
+all its work enqueued: a step whose host time nears its step time waited for the CPU). The first step
+of each pair follows another model's step, as no sampler does (the host's caches hold the other
+model's objects): ``..._cold`` keys.
 
 Not a pytest file (GPU only). ``--size tiny --device cpu`` is a quick smoke run of the same code.
 Usage: ``python tests/gpu/bench_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out r.json``
@@ -295,25 +297,38 @@ def run(argv=None) -> dict:
 
 
 def interleaved(report: dict, kept: dict, args, device, rounds: int) -> None:
-    """Every kept mode timed once per round, in turn; medians and ratios into the report's rows."""
+    """Every kept mode timed in each round, in turn: two consecutive steps, as a sampler makes them. The
+    second ("warm") step gives the medians and ratios in the report's rows; the first ("cold": the
+    previous mode's model has just run, so the host's caches hold its objects) is kept as
+    ``step_s_interleaved_cold_all`` / ``host_s_interleaved_cold_all``."""
     times = {mode: [] for mode in kept}
     hosts = {mode: [] for mode in kept}
+    cold = {mode: [] for mode in kept}
+    cold_hosts = {mode: [] for mode in kept}
     for _ in range(rounds):
         for mode, (qdm, options, *_) in kept.items():
+            step_s, host_s = one_step_s(qdm, args, device, options)
+            cold[mode].append(step_s)
+            cold_hosts[mode].append(host_s)
             step_s, host_s = one_step_s(qdm, args, device, options)
             times[mode].append(step_s)
             hosts[mode].append(host_s)
     bf16 = statistics.median(times["bf16"])
     report["bf16_host_s_interleaved"] = statistics.median(hosts["bf16"])
     report["bf16_step_s_interleaved"] = bf16
+    report["bf16_step_s_interleaved_cold"] = statistics.median(cold["bf16"])
     for mode, ts in times.items():
         if mode == "bf16":
             continue
         row = report["modes"].setdefault(mode, {})
         row.update(step_s_interleaved=statistics.median(ts), speedup_interleaved=bf16 / statistics.median(ts),
                    step_s_interleaved_all=[round(t, 5) for t in ts],
-                   host_s_interleaved_all=[round(t, 5) for t in hosts[mode]])
-        log.info("%s interleaved: %.4f s, %.3fx", mode, row["step_s_interleaved"], row["speedup_interleaved"])
+                   host_s_interleaved_all=[round(t, 5) for t in hosts[mode]],
+                   speedup_interleaved_cold=report["bf16_step_s_interleaved_cold"] / statistics.median(cold[mode]),
+                   step_s_interleaved_cold_all=[round(t, 5) for t in cold[mode]],
+                   host_s_interleaved_cold_all=[round(t, 5) for t in cold_hosts[mode]])
+        log.info("%s interleaved: %.4f s, %.3fx (cold %.3fx)", mode, row["step_s_interleaved"],
+                 row["speedup_interleaved"], row["speedup_interleaved_cold"])
 
 
 def offload_compare(base, a, args, device) -> dict:
