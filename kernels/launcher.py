@@ -314,11 +314,12 @@ class LaunchReplay:
     current device. A replay that raises switches replays off everywhere (logged once).
     """
 
-    __slots__ = ("device_index", "device", "signatures", "allocs", "steps")
+    __slots__ = ("device_index", "device", "signatures", "allocs", "steps", "fn")
 
     def __init__(self, device_index, device, signatures, allocs, steps):
         self.device_index, self.device = device_index, device
         self.signatures, self.allocs, self.steps = signatures, allocs, steps
+        self.fn = None  # the generated replay (_compile_replay), made on the first replay
 
     @classmethod
     def build(cls, launches: Sequence[tuple], inputs: Sequence[torch.Tensor | None],
@@ -359,31 +360,70 @@ class LaunchReplay:
         return cls(device_index, device, signatures, allocs, tuple(steps))
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
-        for t, sig in zip(inputs, self.signatures):
-            if t is None:
-                if sig is not None:
-                    return None
-            elif sig is None or sig != (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0):
-                return None
         if _replay_failure[0] is not None or _replays_paused[0] or (_hooks[0] and (_hooks[0].calls or _hooks[1].calls)):
             return None
         if self.device_index >= 0 and _current_device() != self.device_index:
             return None
-        device = self.device
-        outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.allocs]
-        roles = [*inputs, *outputs]
-        stream = _raw_stream(self.device_index)
+        fn = self.fn
+        if fn is None:
+            fn = self.fn = _compile_replay(self)
         try:
-            for run, function, packed, g0, g1, g2, spec, tail in self.steps:
-                args = [value if kind == 0 else (roles[value] if extra is None else roles[value].view(extra))
-                        if kind == 1 else extra(roles[value]) for kind, value, extra in spec]
-                run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
+            return fn(inputs, _raw_stream(self.device_index))
         except Exception as err:  # an API that does not match: the ordinary launches from now on
             _replay_failure[0] = f"{type(err).__name__}: {err}"
             log.warning("LowBit launch replay failed (%s); launching through the kernels' wrappers from now on",
                         _replay_failure[0])
             return None
-        return outputs
+
+
+def _compile_replay(replay: LaunchReplay):
+    """``fn(inputs, stream)``: the replay as one generated function – the input checks, the allocations and
+    the launches written out with every constant bound by name (a loop over the recorded argument specs
+    costs several microseconds a call; this is the same work without the interpretation). Returns the
+    outputs, or ``None`` where an input differs from the recording."""
+    names: dict[str, object] = {"empty": torch.empty, "DEVICE": replay.device}
+    lines = ["def replay(inputs, stream):",
+             f"    if len(inputs) != {len(replay.signatures)}:",
+             "        return None",
+             f"    {''.join(f'i{j}, ' for j in range(len(replay.signatures)))}= inputs"]
+    for j, sig in enumerate(replay.signatures):
+        if sig is None:
+            lines.append(f"    if i{j} is not None: return None")
+            continue
+        dtype, shape, stride, aligned = sig
+        names.update({f"D{j}": dtype, f"SH{j}": shape, f"ST{j}": stride})
+        lines.append(f"    if i{j} is None or i{j}.dtype is not D{j} or i{j}.shape != SH{j} or i{j}.stride() != ST{j}"
+                     f" or (i{j}.data_ptr() % 16 {'!=' if aligned else '=='} 0): return None")
+    n_in = len(replay.signatures)
+    for j, (shape, dtype) in enumerate(replay.allocs):
+        names.update({f"OS{j}": shape, f"OD{j}": dtype})
+        lines.append(f"    o{j} = empty(OS{j}, dtype=OD{j}, device=DEVICE)")
+
+    def role(index: int) -> str:
+        return f"i{index}" if index < n_in else f"o{index - n_in}"
+    for s, (run, function, packed, g0, g1, g2, spec, tail) in enumerate(replay.steps):
+        names.update({f"R{s}": run, f"F{s}": function, f"P{s}": packed})
+        args = [f"{g0}, {g1}, {g2}, stream, F{s}, P{s}, None, None, None"]
+        for a, (kind, value, extra) in enumerate(spec):
+            if kind == 0:
+                names[f"K{s}_{a}"] = value
+                args.append(f"K{s}_{a}")
+            elif kind == 1:
+                if extra is None:
+                    args.append(role(value))
+                else:
+                    names[f"V{s}_{a}"] = extra
+                    args.append(f"{role(value)}.view(V{s}_{a})")
+            else:
+                names[f"M{s}_{a}"] = extra
+                args.append(f"M{s}_{a}({role(value)})")
+        for c, value in enumerate(tail):
+            names[f"T{s}_{c}"] = value
+            args.append(f"T{s}_{c}")
+        lines.append(f"    R{s}({', '.join(args)})")
+    lines.append(f"    return [{''.join(f'o{j}, ' for j in range(len(replay.allocs)))}]")
+    exec(compile("\n".join(lines), f"<LowBit launch replay {id(replay):x}>", "exec"), names)
+    return names["replay"]
 
 
 def _descriptor_maker(desc, dtype: torch.dtype | None):

@@ -82,9 +82,14 @@ def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, mo
     prologues = collections.Counter(
         ("cat" if x.a is not None else "gelu") if type(x).__name__ == "GeluPrologue" else type(x).__name__
         for x in calls if not isinstance(x, torch.Tensor))
-    assert prologues["NormModPrologue"] == 4 * len(dm.double_blocks) + len(dm.single_blocks)
-    assert prologues["cat"] == len(dm.single_blocks)
-    assert prologues["gelu"] == 2 * len(dm.double_blocks)
+    if getattr(model, "is_dynamic", lambda: False)():
+        # Dynamic VRAM (a GPU run with LOWBIT_TEST_DYNAMIC_VRAM=1): ComfyUI casts every layer's weight per
+        # call, and the fused plans take resident weights only, so each deferred input is computed as written
+        assert not prologues
+    else:
+        assert prologues["NormModPrologue"] == 4 * len(dm.double_blocks) + len(dm.single_blocks)
+        assert prologues["cat"] == len(dm.single_blocks)
+        assert prologues["gelu"] == 2 * len(dm.double_blocks)
     # every fused call: the codes of the input ComfyUI's own graph computes, but where the last bit of
     # tanh or of the row variance moves a value to the neighbouring bf16 (then its code moves one step)
     for frac, within_a_step, scale_rel, mean_diff in differing:
