@@ -106,6 +106,17 @@ def _key(fmt, m, k, x_dtype, device, packed, w_scale, bias, out_dtype, rot_group
             None if s_rel is None else (s_rel.dtype, s_rel.shape), codebook is None, correction is None)
 
 
+def w4_settled_linear(fmt: str, x2d: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype, rot_group: int, s_rel: torch.Tensor | None = None,
+                      codebook: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+                      group_size: int = 0) -> torch.Tensor | None:
+    """The settled plan of a 4-bit linear like this one (arguments as :func:`w4_prologue_linear`, the input a
+    2-D tensor), run; ``None`` where the dispatcher has not settled one (the caller takes its full path)."""
+    key = _key(fmt, x2d.shape[0], x2d.shape[1], x2d.dtype, x2d.device, packed, w_scale, bias, out_dtype, rot_group,
+               s_rel, codebook, correction, group_size)
+    return dispatch.run_fast(key, x2d, packed, w_scale, bias, s_rel, codebook, correction)
+
+
 def w4_prologue_linear(fmt: str, prologue, packed: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                        out_dtype: torch.dtype, rot_group: int, s_rel: torch.Tensor | None = None,
                        codebook: torch.Tensor | None = None, correction: torch.Tensor | None = None,

@@ -252,6 +252,17 @@ class _TritonW8A8Plan:
         return (*quantized, w8a8_mm_triton(q, weight, scale, w_scale, bias, *shift, self.out_dtype, self.config))
 
 
+def w8a8_settled_linear(fmt: str, x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None, out_dtype: torch.dtype, rotation: str = "none",
+                        group_size: int = 0, smooth: torch.Tensor | None = None,
+                        center_rowsum: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`w8a8_linear_fast` where the dispatcher has settled calls like this one (its plan, the same bits),
+    else ``None``: the caller then takes its full path (callers that keep a layer's weight form)."""
+    key = _fast_key(fmt, x2d.shape[0], x2d.shape[1], x2d.dtype, x2d.device, weight, weight_scale, bias, out_dtype,
+                    rotation, group_size, smooth, center_rowsum)
+    return dispatch.run_fast(key, x2d, weight, weight_scale, bias, smooth, center_rowsum)
+
+
 def w8a8_prologue_linear(fmt: str, prologue, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None, out_dtype: torch.dtype, rotation: str = "none", group_size: int = 0,
                          smooth: torch.Tensor | None = None, center_rowsum: torch.Tensor | None = None

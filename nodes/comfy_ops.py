@@ -51,7 +51,7 @@ from ..quant.compiled_linear import quantized_linear
 from ..quant.deferred import DeferredInput, defer_gelu, defer_layer_norm
 from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatError
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
-from ..quant.layouts.base import form_prologue_linear
+from ..quant.layouts.base import form_prologue_linear, form_settled_linear
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: per-module attributes the in-memory quantizer and the loader set (read by model_quant)
 FORMAT_ATTR = "lowbit_format"
 CONFIG_ATTR = "lowbit_config"
-RUNNER_ATTR = "_lowbit_runner"  # (weakref to the weight, device, in_features, input_scale, runner or None)
+RUNNER_ATTR = "_lowbit_runner"  # (weakref to the weight, device, in_features, input_scale, runner or None, form)
 FORM_ATTR = "_lowbit_prologue_form"  # (weakref to the weight, device, in_features, codec.prologue_form or None)
 PRE_QUANT_SCALE = "pre_quant_scale"  # as quant.calibration_pre_quant and ComfyUI name it
 #: where ModelPatcherDynamic leaves a patched module's pending weight patch (comfy.ops' vbar cast applies it)
@@ -264,7 +264,11 @@ class LowBitLinearMixin:
                                         getattr(self, "input_scale", None), config.backend)
             bound = self._lowbit_resident_runner(input, codec, config)
             if bound is not None:
-                runner, weight, bias = bound
+                runner, weight, bias, form = bound
+                if form is not None:  # the settled plan straight from the layer's weight form
+                    out = form_settled_linear(form, input, bias)
+                    if out is not None:
+                        return out
                 return runner(input, weight, bias)
             return self._lowbit_quantized_forward(input, codec, config)
         return self._lowbit_dequantized_forward(input)
@@ -320,9 +324,10 @@ class LowBitLinearMixin:
         if (cached is None or cached[0]() is not weight or cached[1] != device or cached[2] != input.shape[-1]
                 or cached[3] is not input_scale):
             runner = codec.bind_linear(input, weight, input_scale)
-            cached = (weakref.ref(weight), device, input.shape[-1], input_scale, runner)
+            form = codec.prologue_form(input, weight) if runner is not None and input_scale is None else None
+            cached = (weakref.ref(weight), device, input.shape[-1], input_scale, runner, form)
             self.__dict__[RUNNER_ATTR] = cached
-        return None if cached[4] is None else (cached[4], weight, bias)
+        return None if cached[4] is None else (cached[4], weight, bias, cached[5])
 
     def _lowbit_pre_quant(self, input):
         """``input * pre_quant_scale`` in the input's dtype, as stock ComfyUI applies it (``input`` without one)."""
@@ -337,7 +342,7 @@ class LowBitLinearMixin:
     def _lowbit_runs_quantized(self, input, config: LowBitOpsConfig) -> bool:
         return not (
             isinstance(input, QuantizedTensor)
-            or _module_attr(self, "quant_format") in config.dequantize_formats
+            or (config.dequantize_formats and _module_attr(self, "quant_format") in config.dequantize_formats)
             or _module_attr(self, "_full_precision_mm", False)
             or _module_attr(self, "comfy_force_cast_weights", False)
             or len(_module_attr(self, "weight_function", ())) > 0 or len(_module_attr(self, "bias_function", ())) > 0
@@ -414,7 +419,7 @@ class LowBitLinearMixin:
         return weight
 
     def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
-        self.__dict__.pop(FORM_ATTR, None)  # it holds the old weight's tensors
+        self._lowbit_forget_forms()
         codec = module_codec(self)
         if codec is None:
             parent = getattr(super(), "set_weight", None)
@@ -450,7 +455,14 @@ class LowBitLinearMixin:
         return sd
 
     # ---- device moves: re-wrap QuantizedTensor parameters (Module._apply cannot set .data) ---
+    def _lowbit_forget_forms(self) -> None:
+        """Drop the per-layer caches that hold the weight's tensors (a moved or replaced weight must not
+        stay allocated through them, e.g. on the GPU after ComfyUI unloaded the model)."""
+        self.__dict__.pop(FORM_ATTR, None)
+        self.__dict__.pop(RUNNER_ATTR, None)
+
     def _apply(self, fn, recurse=True):
+        self._lowbit_forget_forms()
         if module_codec(self) is None:
             return super()._apply(fn, recurse)
         if recurse:

@@ -20,6 +20,8 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, dequantize_args, register_layout_op
 
 from ...kernels.backend import Backend, BackendUnavailableError, active_backend
+from ...kernels.w4_linear import w4_prologue_linear, w4_settled_linear
+from ...kernels.w8a8_linear import w8a8_prologue_linear, w8a8_settled_linear
 from ..errors import CheckpointFormatError
 
 log = logging.getLogger(__name__)
@@ -228,15 +230,28 @@ def plain_call(x, weight) -> bool:
 def form_prologue_linear(form: W8A8Form | W4Form, prologue, bias: torch.Tensor | None) -> torch.Tensor | None:
     """:meth:`FormatCodec.prologue_linear` for a weight whose :meth:`~FormatCodec.prologue_form` is ``form``
     (callers that run one layer many times keep the form instead of checking the weight per call)."""
-    if isinstance(form, W4Form):
-        from ...kernels.w4_linear import w4_prologue_linear
-
+    if type(form) is W4Form:
         return w4_prologue_linear(form.fmt, prologue, form.packed, form.scale, bias, prologue.source.dtype,
                                   form.rot_group, form.s_rel, form.codebook, form.correction, form.group_size)
-    from ...kernels.w8a8_linear import w8a8_prologue_linear
-
     return w8a8_prologue_linear(form.fmt, prologue, form.codes, form.scale, bias, prologue.source.dtype,
                                 form.rotation, form.group_size, form.smooth, form.center_rowsum)
+
+
+def form_settled_linear(form: W8A8Form | W4Form, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``linear(x)`` of a weight whose :meth:`~FormatCodec.prologue_form` is ``form``, on the plan the dispatcher
+    settled for calls like it (the bits of the full path), or ``None`` where none is settled yet (a first call,
+    a forced backend, ``torch.compile`` tracing): the caller runs its full path, which measures and settles.
+    For callers that run one layer many times and keep its form."""
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if type(form) is W4Form:
+        out = w4_settled_linear(form.fmt, x2d, form.packed, form.scale, bias, x.dtype, form.rot_group, form.s_rel,
+                                form.codebook, form.correction, form.group_size)
+    else:
+        out = w8a8_settled_linear(form.fmt, x2d, form.codes, form.scale, bias, x.dtype, form.rotation,
+                                  form.group_size, form.smooth, form.center_rowsum)
+    if out is None or x.dim() == 2:
+        return out
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def own_w8a8_form(x, weight, layout: str, **pre) -> W8A8Form | None:

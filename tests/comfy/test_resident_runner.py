@@ -113,3 +113,21 @@ def test_patched_layers_and_forced_backends_take_the_full_path(layers, monkeypat
         finally:
             layer.bias.data = layer.bias.data.to(x.dtype)
         assert calls == [1, 1] and torch.equal(out, expected)
+
+
+def test_a_device_move_drops_the_caches_that_hold_the_weights_tensors(layers):
+    """The runner cache keeps the layer's weight form (its codes and scales, for the settled-plan lane): a
+    ``Module.to`` (ComfyUI's load and unload) must drop it, or an unloaded model's codes would stay
+    allocated through it; the next call binds again and gives the same bits."""
+    from lowbit.nodes.comfy_ops import FORM_ATTR
+
+    layer = layers["int8_convrot"]
+    x = _probe(layer)
+    with torch.no_grad():
+        first = layer(x)
+        cached = layer.__dict__[RUNNER_ATTR]
+        assert cached[5] is not None and cached[5].codes is layer.weight._qdata
+        layer.to(device())
+        assert RUNNER_ATTR not in layer.__dict__ and FORM_ATTR not in layer.__dict__
+        again = layer(x)
+    assert torch.equal(first, again) and layer.__dict__[RUNNER_ATTR][5] is not None
