@@ -403,3 +403,27 @@ def test_requantize_of_a_patched_weight_keeps_the_format(fmt):
     qt = requantize(codec, w, dtype=torch.float32, seed=12345, layer="test")
     assert qt._layout_cls == codec.spec.layout
     assert sqnr_db(w, qt.dequantize().float()) > (8.0 if codec.spec.weight_bits == 4 else 25.0)
+
+
+def test_module_attr_reads_what_getattr_reads():
+    """The hot path's ``_module_attr`` gives ``getattr(module, name, default)`` for every kind of attribute a
+    ComfyUI layer has: instance values, parameters, buffers, class defaults, properties, absent names."""
+    from lowbit.nodes.comfy_ops import _module_attr
+
+    class Layer(comfy.ops.disable_weight_init.Linear):
+        flag = "class default"
+
+        @property
+        def computed(self):
+            return self.in_features * 2
+
+    layer = Layer(4, 3)
+    layer.register_buffer("input_scale", torch.ones(1))
+    layer.weight_function = [len]
+    for name in ("weight", "bias", "input_scale", "weight_function", "bias_function", "flag", "computed",
+                 "comfy_force_cast_weights", "quant_format", "_full_precision_mm", "in_features"):
+        for default in (None, False, ()):
+            expected = getattr(layer, name, default)
+            assert _module_attr(layer, name, default) is expected, name
+    layer.flag = "instance"
+    assert _module_attr(layer, "flag") == "instance"
