@@ -99,6 +99,16 @@ class NormModPrologue:
         if batches not in (None, 1) and (rpb <= 0 or rpb * batches != m):
             raise PrologueError(f"{batches} modulation rows do not split {m} rows into batch elements of {rpb}")
 
+    @classmethod
+    def checked_by_caller(cls, x: torch.Tensor, eps: float, mult: torch.Tensor | None = None,
+                          shift: torch.Tensor | None = None, rows_per_batch: int = 0) -> "NormModPrologue":
+        """The prologue without ``__post_init__``'s checks, for a caller that has made them already (the
+        deferred norms build two per modulated norm on every call)."""
+        new = object.__new__(cls)
+        for name, value in (("x", x), ("eps", eps), ("mult", mult), ("shift", shift), ("rows_per_batch", rows_per_batch)):
+            object.__setattr__(new, name, value)
+        return new
+
     @property
     def source(self) -> torch.Tensor:
         return self.x

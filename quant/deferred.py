@@ -126,7 +126,7 @@ def defer_layer_norm(x: torch.Tensor, eps: float) -> DeferredInput | None:
     """``layer_norm(x)`` over the last dim without affine weights, deferred; ``None`` where it cannot be."""
     if not can_defer(x):
         return None
-    return DeferredInput(NormModPrologue(_rows(x), float(eps)), x.shape[:-1])
+    return DeferredInput(NormModPrologue.checked_by_caller(_rows(x), float(eps)), x.shape[:-1])  # 2-D rows
 
 
 def _deferred_cat(tensors, dim=0, *, out=None):
@@ -181,7 +181,8 @@ def _deferred_addcmul(shift, tensor1, tensor2, *, value=1, out=None):
     if batches > 1:
         mult, add = mult.expand(batches, k), add.expand(batches, k)
     rows_per_batch = math.prod(lead[1:]) if batches > 1 else 0
-    return DeferredInput(NormModPrologue(p.x, p.eps, mult, add, rows_per_batch), lead)
+    # [B or 1, k] of x's dtype and device (above); B > 1 only as lead[0], so rows_per_batch * B is x's rows
+    return DeferredInput(NormModPrologue.checked_by_caller(p.x, p.eps, mult, add, rows_per_batch), lead)
 
 
 __all__ = ["DeferredInput", "can_defer", "defer_gelu", "defer_layer_norm", "materialize"]
