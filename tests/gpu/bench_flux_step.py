@@ -229,6 +229,8 @@ def run(argv=None) -> dict:
     p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    for mode in a.modes:  # a typo fails before the model is built
+        parse_mode(mode)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device(a.device)
     import_comfy(device.type)
