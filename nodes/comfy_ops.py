@@ -63,8 +63,8 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: per-module attributes the in-memory quantizer and the loader set (read by model_quant)
 FORMAT_ATTR = "lowbit_format"
 CONFIG_ATTR = "lowbit_config"
-RUNNER_ATTR = "_lowbit_runner"  # (weakref to the weight, device, in_features, input_scale, runner or None, form)
-FORM_ATTR = "_lowbit_prologue_form"  # (weakref to the weight, device, in_features, codec.prologue_form or None)
+RUNNER_ATTR = "_lowbit_runner"  # (weakref to the weight, device, in_features, input_scale, runner or None)
+FORM_ATTR = "_lowbit_form_cache"  # (weakref to the weight, device, in_features, codec.prologue_form or None)
 PRE_QUANT_SCALE = "pre_quant_scale"  # as quant.calibration_pre_quant and ComfyUI name it
 #: where ModelPatcherDynamic leaves a patched module's pending weight patch (comfy.ops' vbar cast applies it)
 LOWVRAM_PATCH_ATTR = "weight_lowvram_function"
@@ -289,20 +289,25 @@ class LowBitLinearMixin:
         if weight.device != src.device or weight.dtype != src.dtype or (
                 bias is not None and (bias.device != src.device or bias.dtype != src.dtype)):
             return None
-        k = input.prologue.shape[1]
-        cached = self.__dict__.get(FORM_ATTR)
-        if cached is None or cached[0]() is not weight or cached[1] != src.device or cached[2] != k:
-            form = codec.prologue_form(src.new_empty((0, k)), weight)  # the per-weight checks, once
-            cached = (weakref.ref(weight), src.device, k, form)
-            self.__dict__[FORM_ATTR] = cached
-        if cached[3] is None:
+        form = self._lowbit_weight_form(codec, weight, src, input.prologue.shape[1])
+        if form is None:
             return None
         _run_every_op()
-        out = form_prologue_linear(cached[3], input.prologue, bias)
+        out = form_prologue_linear(form, input.prologue, bias)
         return None if out is None else out.reshape(*input.lead_shape, out.shape[-1])
 
+    def _lowbit_weight_form(self, codec: FormatCodec, weight, like: torch.Tensor, k: int):
+        """``codec.prologue_form`` of ``weight`` for inputs of ``k`` features on ``like``'s device and dtype: the
+        per-weight checks made once and kept per weight (weakly), device and features (``FORM_ATTR``)."""
+        cached = self.__dict__.get(FORM_ATTR)
+        if cached is None or cached[0]() is not weight or cached[1] != like.device or cached[2] != k:
+            cached = (weakref.ref(weight), like.device, k, codec.prologue_form(like.new_empty((0, k)), weight))
+            self.__dict__[FORM_ATTR] = cached
+        return cached[3]
+
     def _lowbit_resident_runner(self, input, codec: FormatCodec, config: LowBitOpsConfig):
-        """``(runner, weight, bias)`` for a layer whose weights already live where ``input`` is, else ``None``.
+        """``(runner, weight, bias, form)`` for a layer whose weights already live where ``input`` is, else ``None``
+        (``form``: the weight's form for the settled-plan lane, ``None`` with an ``input_scale``).
 
         The steady state of a fully loaded model: weight and bias already on the input's device and in
         its dtype, no patch functions (checked by the caller), not Dynamic VRAM, no forced backend.
@@ -323,11 +328,13 @@ class LowBitLinearMixin:
         cached = self.__dict__.get(RUNNER_ATTR)
         if (cached is None or cached[0]() is not weight or cached[1] != device or cached[2] != input.shape[-1]
                 or cached[3] is not input_scale):
-            runner = codec.bind_linear(input, weight, input_scale)
-            form = codec.prologue_form(input, weight) if runner is not None and input_scale is None else None
-            cached = (weakref.ref(weight), device, input.shape[-1], input_scale, runner, form)
+            cached = (weakref.ref(weight), device, input.shape[-1], input_scale,
+                      codec.bind_linear(input, weight, input_scale))
             self.__dict__[RUNNER_ATTR] = cached
-        return None if cached[4] is None else (cached[4], weight, bias, cached[5])
+        if cached[4] is None:
+            return None
+        form = self._lowbit_weight_form(codec, weight, input, input.shape[-1]) if input_scale is None else None
+        return cached[4], weight, bias, form
 
     def _lowbit_pre_quant(self, input):
         """``input * pre_quant_scale`` in the input's dtype, as stock ComfyUI applies it (``input`` without one)."""

@@ -116,7 +116,7 @@ def test_patched_layers_and_forced_backends_take_the_full_path(layers, monkeypat
 
 
 def test_a_device_move_drops_the_caches_that_hold_the_weights_tensors(layers):
-    """The runner cache keeps the layer's weight form (its codes and scales, for the settled-plan lane): a
+    """The form cache keeps the layer's weight form (its codes and scales, for the settled-plan lane): a
     ``Module.to`` (ComfyUI's load and unload) must drop it, or an unloaded model's codes would stay
     allocated through it; the next call binds again and gives the same bits."""
     from lowbit.nodes.comfy_ops import FORM_ATTR
@@ -125,9 +125,9 @@ def test_a_device_move_drops_the_caches_that_hold_the_weights_tensors(layers):
     x = _probe(layer)
     with torch.no_grad():
         first = layer(x)
-        cached = layer.__dict__[RUNNER_ATTR]
-        assert cached[5] is not None and cached[5].codes is layer.weight._qdata
+        form = layer.__dict__[FORM_ATTR][3]
+        assert RUNNER_ATTR in layer.__dict__ and form is not None and form.codes is layer.weight._qdata
         layer.to(device())
         assert RUNNER_ATTR not in layer.__dict__ and FORM_ATTR not in layer.__dict__
         again = layer(x)
-    assert torch.equal(first, again) and layer.__dict__[RUNNER_ATTR][5] is not None
+    assert torch.equal(first, again) and layer.__dict__[FORM_ATTR][3] is not None
