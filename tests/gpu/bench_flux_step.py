@@ -141,7 +141,6 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 
 ATTN_SUFFIX = "+attn"
-UNFUSED_SUFFIX = "+unfused"
 #: what a mode's ``+flag``s after the format switch (module docstring)
 MODE_FLAGS = ("attn", "unfused", "noreplay", "floatmods")
 FLOAT_MODULATION = r"(_mod|modulation)\.lin$"  # Flux's per-block modulation linears

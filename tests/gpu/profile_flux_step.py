@@ -8,7 +8,8 @@ attention and the rest ("other": norms, modulation, RoPE, GELU, adds, copies), l
 and records the dispatcher's decisions for the mode, so a step that is slower than its linears
 promise shows where the time went.
 
-A mode ending in ``+unfused`` is quantized with ``fuse_inputs=False`` (see ``bench_flux_step``).
+A mode's ``+unfused`` flag quantizes with ``fuse_inputs=False``, ``+floatmods`` keeps the modulation linears in
+bf16 (``bench_flux_step``'s flags; the attention backend is ``--attention-backend`` here).
 
 Usage: ``python tests/gpu/profile_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out prof.json``
 """
@@ -195,6 +196,9 @@ def main(argv=None) -> dict:
                    help="also cProfile one whole step per mode on the host (where an eager step's CPU time goes)")
     p.add_argument("--out", default="profile_flux_step.json")
     a = p.parse_args(argv)
+    for mode in a.modes:  # a typo, or a flag this profile does not apply, fails before the model is built
+        if bfs.parse_mode(mode)[1] - {"unfused", "floatmods"}:
+            raise SystemExit(f"mode {mode!r}: only the +unfused and +floatmods flags apply here")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device(a.device)
     bfs.import_comfy(device.type)
@@ -214,8 +218,9 @@ def main(argv=None) -> dict:
     log.info("bf16: %s", report["runs"]["bf16"]["by_category_ms"])
     for mode in a.modes:
         try:
-            fmt = mode.removesuffix(bfs.UNFUSED_SUFFIX)  # "+unfused": norms and GELUs computed as written
-            q = quantize_model(base, Policy(mode=fmt), fuse_inputs=fmt == mode)
+            fmt, flags = bfs.parse_mode(mode)  # "+unfused": norms and GELUs computed as written
+            keep = (bfs.FLOAT_MODULATION,) if "floatmods" in flags else ()
+            q = quantize_model(base, Policy(mode=fmt, extra_keep_float=keep), fuse_inputs="unfused" not in flags)
             before = set(current_dispatcher().decisions)
             row = profile_step(step(q), device)
             if a.host_profile:
