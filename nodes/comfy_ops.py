@@ -239,6 +239,9 @@ class LowBitLinearMixin:
             # instance's forward with a wrapper that calls this one and adds its own term)
             if args or kwargs:
                 return LowBitLinearMixin.forward(self, input.materialize(), *args, **kwargs)
+            if "_v" in self.__dict__:  # Dynamic VRAM: the weight comes from ComfyUI's vbar cast on every call
+                out = self._lowbit_dynamic_prologue_forward(input)
+                return LowBitLinearMixin.forward(self, input.materialize()) if out is None else out
             out = self._lowbit_prologue_forward(input)
             if out is not None:
                 return out
@@ -293,8 +296,40 @@ class LowBitLinearMixin:
         if form is None:
             return None
         _run_every_op()
-        out = form_prologue_linear(form, input.prologue, bias)
-        return None if out is None else out.reshape(*input.lead_shape, out.shape[-1])
+        return self._lowbit_form_prologue(form, input, bias)
+
+    def _lowbit_dynamic_prologue_forward(self, input: DeferredInput):
+        """Under Dynamic VRAM (the layer has a vbar slot, ``_v``): the linear of a deferred input through
+        :meth:`_lowbit_quantized_forward` (ComfyUI's vbar cast, then the fused path where the cast hands back
+        the resident weight), where the steady-state path's conditions hold; ``None`` otherwise (the caller
+        materializes the input and takes the ordinary forward)."""
+        codec = module_codec(self)
+        if codec is None or not isinstance(_module_attr(self, "weight"), QuantizedTensor):
+            return None
+        config: LowBitOpsConfig = self.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
+        if (config.backend != "auto" or _module_attr(self, PRE_QUANT_SCALE) is not None
+                or _module_attr(self, "input_scale") is not None
+                or not self._lowbit_runs_quantized(input.prologue.source, config)):
+            return None
+        _run_every_op()
+        return self._lowbit_quantized_forward(input, codec, config)
+
+    def _lowbit_vbar_form(self, codec: FormatCodec, config: LowBitOpsConfig, weight, bias, like: torch.Tensor, k: int):
+        """The weight form (``codec.prologue_form``) of the weight Dynamic VRAM's cast handed back, for inputs of
+        ``k`` features, where the steady-state path would run on it: a quantized weight in ``like``'s dtype and on
+        its device, no forced backend, no ``input_scale``, outside ``torch.compile`` tracing; ``None`` otherwise.
+
+        The layer's resident VRAM copy (``_v_weight``: the same object on every call until the vbar evicts it)
+        keeps its form (:meth:`_lowbit_weight_form`). A streamed weight is a new tensor in a cast buffer on each
+        call: its form is made for the call and not kept (it would hold the buffer), so a layer computes the same
+        bits whether it streams or stays resident."""
+        if (not isinstance(weight, QuantizedTensor) or config.backend != "auto" or weight.device != like.device
+                or weight.dtype != like.dtype or (bias is not None and (bias.device != like.device or bias.dtype != like.dtype))
+                or _module_attr(self, "input_scale") is not None or torch.compiler.is_compiling()):
+            return None
+        if weight is self.__dict__.get("_v_weight"):
+            return self._lowbit_weight_form(codec, weight, like, k)
+        return codec.prologue_form(like.new_empty((0, k)), weight)
 
     def _lowbit_weight_form(self, codec: FormatCodec, weight, like: torch.Tensor, k: int):
         """``codec.prologue_form`` of ``weight`` for inputs of ``k`` features on ``like``'s device and dtype: the
@@ -357,25 +392,53 @@ class LowBitLinearMixin:
         )
 
     def _lowbit_quantized_forward(self, input, codec: FormatCodec, config: LowBitOpsConfig):
+        """The linear through ComfyUI's cast (offloading, low-VRAM streaming, Dynamic VRAM). ``input`` may be a
+        deferred input (Dynamic VRAM, :meth:`_lowbit_dynamic_prologue_forward`). Where the cast hands back the
+        layer's resident vbar copy, the call takes the steady-state lanes a resident layer takes without Dynamic
+        VRAM (the settled plan from the weight's form; a deferred input computed inside the activation
+        quantization), so both give the same bits; anything else runs ``codec.linear``."""
+        deferred = isinstance(input, DeferredInput)
+        like = input.prologue.source if deferred else input
         # Same cast as ComfyUI's weight-only-quant path: keep the weight's own dtype so the
         # QuantizedTensor moves to the device still quantized; want_requant keeps a Dynamic-VRAM
         # layer quantized when a LoRA is patched in while it streams.
         with self._lowbit_patches_in_original_space():
             weight, bias, offload_stream = comfy.ops.cast_bias_weight(
-                self, input=None, dtype=self.weight.dtype, device=input.device, bias_dtype=input.dtype,
-                offloadable=True, compute_dtype=input.dtype, want_requant=True)
+                self, input=None, dtype=self.weight.dtype, device=like.device, bias_dtype=like.dtype,
+                offloadable=True, compute_dtype=like.dtype, want_requant=True)
         try:
+            k = input.prologue.shape[1] if deferred else input.shape[-1]
+            form = self._lowbit_vbar_form(codec, config, weight, bias, like, k) if "_v" in self.__dict__ else None
+            if form is not None:
+                out = (self._lowbit_form_prologue(form, input, bias) if deferred
+                       else form_settled_linear(form, input, bias))
+                if out is not None:
+                    return out
+            x = input.materialize() if deferred else input
             if not isinstance(weight, QuantizedTensor):  # ComfyUI dequantized it (CPU-side Dynamic VRAM)
-                return torch.nn.functional.linear(input, weight.to(input.dtype), bias)
-            if weight.dtype != input.dtype:
-                weight = weight.to(dtype=input.dtype)  # metadata only: the output dtype
+                return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
+            if weight.dtype != x.dtype:
+                weight = weight.to(dtype=x.dtype)  # metadata only: the output dtype
             input_scale = getattr(self, "input_scale", None)
             if input_scale is not None:
-                input_scale = comfy.model_management.cast_to_device(input_scale, input.device, None)
+                input_scale = comfy.model_management.cast_to_device(input_scale, x.device, None)
+            plans = current_dispatcher().fast_plans
+            settled = len(plans)
             with kernel_backend(config.backend):
-                return codec.linear(input, weight, bias, input_scale)
+                out = codec.linear(x, weight, bias, input_scale)
+            if deferred and form is not None and len(plans) != settled:
+                # the call settled a plan: from now on the fused path runs; run it now too, so that the first
+                # call gives the bits of every later one (as the resident lane does)
+                fused = self._lowbit_form_prologue(form, input, bias)
+                out = out if fused is None else fused
+            return out
         finally:
             comfy.ops.uncast_bias_weight(self, weight, bias, offload_stream)
+
+    @staticmethod
+    def _lowbit_form_prologue(form, input: DeferredInput, bias):
+        out = form_prologue_linear(form, input.prologue, bias)
+        return None if out is None else out.reshape(*input.lead_shape, out.shape[-1])
 
     def _lowbit_dequantized_forward(self, input):
         if isinstance(input, QuantizedTensor):

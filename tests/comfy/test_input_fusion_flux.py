@@ -82,14 +82,10 @@ def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, mo
     prologues = collections.Counter(
         ("cat" if x.a is not None else "gelu") if type(x).__name__ == "GeluPrologue" else type(x).__name__
         for x in calls if not isinstance(x, torch.Tensor))
-    if getattr(model, "is_dynamic", lambda: False)():
-        # Dynamic VRAM (a GPU run with LOWBIT_TEST_DYNAMIC_VRAM=1): ComfyUI casts every layer's weight per
-        # call, and the fused plans take resident weights only, so each deferred input is computed as written
-        assert not prologues
-    else:
-        assert prologues["NormModPrologue"] == 4 * len(dm.double_blocks) + len(dm.single_blocks)
-        assert prologues["cat"] == len(dm.single_blocks)
-        assert prologues["gelu"] == 2 * len(dm.double_blocks)
+    _assert_resident_in_the_vbar_if_dynamic(model)  # Dynamic VRAM: the fused path runs on the vbar's copies
+    assert prologues["NormModPrologue"] == 4 * len(dm.double_blocks) + len(dm.single_blocks)
+    assert prologues["cat"] == len(dm.single_blocks)
+    assert prologues["gelu"] == 2 * len(dm.double_blocks)
     # every fused call: the codes of the input ComfyUI's own graph computes, but where the last bit of
     # tanh or of the row variance moves a value to the neighbouring bf16 (then its code moves one step)
     for frac, within_a_step, scale_rel, mean_diff in differing:
@@ -99,6 +95,44 @@ def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, mo
     assert torch.isfinite(fused).all()
     quant_error = (unfused - float_output).pow(2).mean()
     assert (fused - float_output).pow(2).mean() <= 1.1 * quant_error
+
+
+def _assert_resident_in_the_vbar_if_dynamic(model) -> None:
+    """Under Dynamic VRAM (a GPU run with ``LOWBIT_TEST_DYNAMIC_VRAM=1``) every quantized layer has a vbar slot
+    and is resident there after a run: ComfyUI's cast hands back the same VRAM copy on every call, which the
+    steady-state lanes take (``LowBitLinearMixin._lowbit_vbar_form``)."""
+    if not getattr(model, "is_dynamic", lambda: False)():
+        return
+    layers = [m for m in model.model.diffusion_model.modules() if getattr(m, "lowbit_format", None)]
+    assert layers and all(hasattr(m, "_v") and m._v_signature is not None for m in layers)
+
+
+def test_settled_lane_gives_the_full_paths_bits(float_model, monkeypatch):
+    """Inputs computed as written (``fuse_inputs=False``): after the first call settles its plan, every
+    quantized linear goes from its forward straight to that plan through its weight's form (a resident
+    layer; under Dynamic VRAM the vbar's resident copy), and the output has the full path's bits."""
+    from lowbit.nodes import comfy_ops
+
+    model = quantize_model(float_model, Policy(mode="int8_convrot"), fuse_inputs=False)
+    layers = [m for m in model.model.diffusion_model.modules() if getattr(m, "lowbit_format", None)]
+    with dispatch.use_dispatcher(TritonFirst(measure=False, fast=False)):  # no settled plans: the full path
+        full = run_flux(model)
+    served = []
+    real = comfy_ops.form_settled_linear
+
+    def spy(form, x, bias):
+        out = real(form, x, bias)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(comfy_ops, "form_settled_linear", spy)
+    with dispatch.use_dispatcher(TritonFirst(measure=False)):
+        first = run_flux(model)  # settles the plans
+        served.clear()
+        lane = run_flux(model)
+    _assert_resident_in_the_vbar_if_dynamic(model)
+    assert len(served) == len(layers) and all(served), (len(served), len(layers), served.count(False))
+    assert torch.equal(lane, full) and torch.equal(first, full)
 
 
 class UpcastNorm(torch.nn.LayerNorm):
