@@ -196,3 +196,17 @@ def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp
         assert len(row["step_s_interleaved_cold_all"]) == 2 and row["speedup_interleaved_cold"] > 0
         assert row["speedup_interleaved"] > 0
     assert fused["rel_err"] == pytest.approx(unfused["rel_err"], rel=1e-3)
+
+
+@pytest.mark.parametrize("modes, message", [(["int8+dvram"], "need a CUDA device"),
+                                            (["int8", "int8+nosuch"], "unknown flags ['nosuch']")])
+def test_flux_step_bench_refuses_what_it_cannot_run_before_building_the_model(tmp_path, modes, message):
+    """A mode flag it does not know, or ``+dvram`` (comfy-aimdo's Dynamic VRAM) without a GPU: a clear error
+    before the model is built and nothing written."""
+    out = tmp_path / "step.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(GPU_DIR / "bench_flux_step.py"), "--size", "tiny", "--device", "cpu", "--modes", *modes,
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert "bf16 step" not in proc.stderr and not out.exists()

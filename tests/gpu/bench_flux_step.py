@@ -18,7 +18,10 @@ against ``bf16+attn`` when that was measured too. A format followed by ``+unfuse
 computed as written instead of inside the activation quantization (an A/B of that fusion).
 ``+noreplay`` runs with the kernels' launch replays switched off (``kernels/launcher.py``: every call
 builds its launches' arguments); ``+floatmods`` keeps the per-block modulation linears in bf16
-(``Policy.extra_keep_float``). Flags combine in any order: ``int8_convrot+floatmods+attn``.
+(``Policy.extra_keep_float``); ``+dvram`` loads the mode's model as ComfyUI does by default on NVIDIA GPUs,
+through Dynamic VRAM (comfy-aimdo's ``ModelPatcherDynamic``: weights in RAM, a resident copy in the model's
+VRAM "vbar", every layer cast per call; ``bf16+dvram`` is stock bf16 loaded that way, a second copy of the
+model). Flags combine in any order: ``int8_convrot+floatmods+attn``.
 
 ``--rounds R`` (> 0) keeps every mode's model and, after the per-mode pass, times them again in ``R``
 interleaved rounds (two consecutive steps of each mode per round, in turn), so that a slow phase of the
@@ -57,19 +60,59 @@ SIZES = {
 }
 
 
-def import_comfy(device: str):
+def import_comfy(device: str, dynamic_vram: bool = False):
+    """ComfyUI's modules, set up as its ``main.py`` does (``dynamic_vram``: comfy-aimdo loaded before anything
+    touches CUDA and its devices initialised, for ``+dvram`` modes)."""
     comfy_path = os.environ.get("COMFYUI_PATH", os.path.expanduser("~/ComfyUI"))
     sys.path.insert(0, comfy_path)
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = device == "cpu"
-    import comfy.model_management  # noqa: F401
+    if dynamic_vram:
+        import comfy_aimdo.control
+
+        comfy_aimdo.control.init()
+    import comfy.model_management
     import comfy.model_patcher  # noqa: F401
     import comfy.supported_models  # noqa: F401
+
+    if dynamic_vram:
+        import comfy.memory_management
+        import comfy_aimdo.control
+
+        devices = comfy.model_management.get_all_torch_devices()
+        try:
+            ok = comfy_aimdo.control.init_devices((d.index, 0) for d in devices)
+        except TypeError:  # comfy-aimdo 0.4.9's protocol
+            ok = comfy_aimdo.control.init_devices(d.index for d in devices)
+        if not ok:
+            raise SystemExit("+dvram modes: comfy-aimdo could not initialise the GPU")
+        comfy.memory_management.aimdo_enabled = True
+
+
+def load_dynamic(model, device: torch.device):
+    """``model`` (a ComfyUI BaseModel) moved to RAM and loaded by ComfyUI's model manager through Dynamic VRAM
+    (``ModelPatcherDynamic``), as a default ComfyUI on an NVIDIA GPU loads a diffusion model."""
+    import comfy.model_management
+    import comfy.model_patcher
+
+    if device.index is None:  # a vbar belongs to one numbered device
+        device = comfy.model_management.get_torch_device()
+    model.to("cpu")
+    patcher = comfy.model_patcher.ModelPatcherDynamic(model, load_device=device, offload_device=torch.device("cpu"))
+    comfy.model_management.load_models_gpu([patcher])
+    return patcher
+
+
+def vbar_residency(dm) -> dict:
+    """How many of the model's vbar-managed layers (``_v``) are resident in VRAM (``_v_signature``) now."""
+    staged = [m for m in dm.modules() if hasattr(m, "_v")]
+    return {"layers": len(staged), "resident": sum(getattr(m, "_v_signature", None) is not None for m in staged)}
 
 
 def build_flux(size: str, device: torch.device, seed: int = 0):
     """A ModelPatcher over a Flux model of ``size`` with random bf16 weights (outlier input channels)."""
+    import comfy.memory_management
     import comfy.model_patcher
     import comfy.supported_models
 
@@ -83,7 +126,12 @@ def build_flux(size: str, device: torch.device, seed: int = 0):
     }
     config = comfy.supported_models.Flux(unet_config)
     config.set_inference_dtype(torch.bfloat16, None)
-    model = config.get_model({}, device=device)
+    lazy = comfy.memory_management.aimdo_enabled
+    comfy.memory_management.aimdo_enabled = False  # with it ComfyUI's layers wait for a state dict for weights
+    try:
+        model = config.get_model({}, device=device)
+    finally:
+        comfy.memory_management.aimdo_enabled = lazy
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.diffusion_model.named_parameters():
@@ -142,7 +190,7 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 ATTN_SUFFIX = "+attn"
 #: what a mode's ``+flag``s after the format switch (module docstring)
-MODE_FLAGS = ("attn", "unfused", "noreplay", "floatmods")
+MODE_FLAGS = ("attn", "unfused", "noreplay", "floatmods", "dvram")
 FLOAT_MODULATION = r"(_mod|modulation)\.lin$"  # Flux's per-block modulation linears
 
 
@@ -228,11 +276,14 @@ def run(argv=None) -> dict:
     p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    dynamic = False
     for mode in a.modes:  # a typo fails before the model is built
-        parse_mode(mode)
+        dynamic |= "dvram" in parse_mode(mode)[1]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device(a.device)
-    import_comfy(device.type)
+    if dynamic and device.type != "cuda":
+        raise SystemExit("+dvram modes need a CUDA device (Dynamic VRAM is comfy-aimdo's)")
+    import_comfy(device.type, dynamic)
     from lowbit.nodes.model_quant import quantize_model
     from lowbit.quant.policy import Policy
 
@@ -255,7 +306,10 @@ def run(argv=None) -> dict:
         fuse = "unfused" not in flags
         keep = (FLOAT_MODULATION,) if "floatmods" in flags else ()
         try:
-            if fmt == "bf16":
+            if fmt == "bf16" and "dvram" in flags:
+                q = load_dynamic(build_flux(a.size, device).model, device)  # the same seed: the same weights
+                qdm = q.model.diffusion_model
+            elif fmt == "bf16":
                 q, qdm = None, dm
             else:
                 sync(device)
@@ -266,9 +320,13 @@ def run(argv=None) -> dict:
                 row["quantize_s"] = time.perf_counter() - t0
                 qdm = q.model.diffusion_model
                 row["weight_bytes"] = sum(getattr(p, "nbytes", p.numel() * p.element_size()) for p in qdm.parameters())
+                if "dvram" in flags:
+                    q = load_dynamic(q.model, device)
                 qdm = WithoutReplays(qdm) if "noreplay" in flags else qdm
             step_s, out = step_time(qdm, args, device, a.iters, options)
             row.update(step_s=step_s, speedup=bf16_s / step_s, rel_err=rel_err(out, ref))
+            if "dvram" in flags:
+                row["vbar"] = vbar_residency(q.model.diffusion_model)
             same = report["modes"].get("bf16" + ATTN_SUFFIX, {}).get("step_s")
             if options is not None:
                 row["attention"] = attention_report(options)
@@ -301,7 +359,9 @@ def interleaved(report: dict, kept: dict, args, device, rounds: int) -> None:
     """Every kept mode timed in each round, in turn: two consecutive steps, as a sampler makes them. The
     second ("warm") step gives the medians and ratios in the report's rows; the first ("cold": the
     previous mode's model has just run, so the host's caches hold its objects) is kept as
-    ``step_s_interleaved_cold_all`` / ``host_s_interleaved_cold_all``."""
+    ``step_s_interleaved_cold_all`` / ``host_s_interleaved_cold_all``. ``+dvram`` rows also get their ratio
+    against ``bf16+dvram`` (``bf16+dvram+attn`` for a ``+attn`` mode: ``speedup_interleaved_vs_bf16_dvram``) when
+    it ran, and their vbar residency after the rounds."""
     times = {mode: [] for mode in kept}
     hosts = {mode: [] for mode in kept}
     cold = {mode: [] for mode in kept}
@@ -328,6 +388,11 @@ def interleaved(report: dict, kept: dict, args, device, rounds: int) -> None:
                    speedup_interleaved_cold=report["bf16_step_s_interleaved_cold"] / statistics.median(cold[mode]),
                    step_s_interleaved_cold_all=[round(t, 5) for t in cold[mode]],
                    host_s_interleaved_cold_all=[round(t, 5) for t in cold_hosts[mode]])
+        if "dvram" in parse_mode(mode)[1]:
+            row["vbar_after_rounds"] = vbar_residency(kept[mode][2].model.diffusion_model)
+            same = "bf16+dvram+attn" if "attn" in parse_mode(mode)[1] else "bf16+dvram"  # bf16, same loading and attention
+            if same in times and mode != same:
+                row["speedup_interleaved_vs_bf16_dvram"] = statistics.median(times[same]) / row["step_s_interleaved"]
         log.info("%s interleaved: %.4f s, %.3fx (cold %.3fx)", mode, row["step_s_interleaved"],
                  row["speedup_interleaved"], row["speedup_interleaved_cold"])
 
