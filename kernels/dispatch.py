@@ -28,7 +28,13 @@ eager mode) it is what the call costs, and every Triton config then costs about 
 time is the same calls queued entirely behind a sleep that outlasts their launches: what a CUDA
 graph (``torch.compile``'s ``reduce-overhead``) or a CPU that runs ahead pays. Among the candidates
 whose sustained time is within ``tie`` (15 %) of the fastest, the one with the least GPU time wins,
-so a host-bound tie is never settled by noise in favour of a config that leaves SMs idle.
+so a host-bound tie is never settled by noise in favour of a config that leaves SMs idle. Where GPU
+times of different backends tie too (within ``gpu_tie``, 5 %, of the least: e.g. few rows, a product
+bound by the weight's bytes), the backend with the least *host* time wins: the CPU time one call takes
+to enqueue its work (measured as the candidate is called here, median of three batches). In an eager
+model such a call is bound by its launches, so a candidate that converts its tensors per call
+(comfy-kitchen's DLPack hand-off) loses to one that launches directly, at no GPU cost. Configs of one
+backend are not told apart this way: they launch alike.
 
 A candidate that fails because the GPU cannot run its configuration at all (Triton's
 ``OutOfResources``: too much shared memory) is recorded per GPU capability in ``broken`` (and the
@@ -108,9 +114,11 @@ class Dispatcher:
     warmup: int = 2
     repeats: int = 5
     tie: float = 0.15  # sustained times within this share of the fastest: the least GPU time wins
+    gpu_tie: float = 0.05  # GPU times within this share of the least (of those): the least host time wins
     decisions: dict[str, str] = field(default_factory=dict)
     timings_us: dict[str, dict[str, float]] = field(default_factory=dict)
     gpu_timings_us: dict[str, dict[str, float]] = field(default_factory=dict)  # the tied candidates only
+    host_timings_us: dict[str, dict[str, float]] = field(default_factory=dict)  # the GPU-tied ones only
     failures: dict[str, dict[str, str]] = field(default_factory=dict)
     # "sm90" -> {"int8 triton:<config>": error}: what this GPU can never run (not offered again)
     broken: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -151,6 +159,7 @@ class Dispatcher:
         self.decisions.update({str(k): str(v) for k, v in data.get("decisions", {}).items()})
         self.timings_us.update(data.get("timings_us", {}))
         self.gpu_timings_us.update(data.get("gpu_timings_us", {}))  # absent in older files
+        self.host_timings_us.update(data.get("host_timings_us", {}))  # absent in older files
         for cap, entries in data.get("broken", {}).items():  # absent in files written before it existed
             if isinstance(entries, dict):
                 self.broken.setdefault(str(cap), {}).update({str(k): str(v) for k, v in entries.items()})
@@ -161,7 +170,8 @@ class Dispatcher:
         if self.cache_path is None:
             return
         data = {"version": CACHE_VERSION, "decisions": self.decisions, "timings_us": self.timings_us,
-                "gpu_timings_us": self.gpu_timings_us, "broken": self.broken}
+                "gpu_timings_us": self.gpu_timings_us, "host_timings_us": self.host_timings_us,
+                "broken": self.broken}
         path = Path(self.cache_path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,6 +219,7 @@ class Dispatcher:
                 if gpu:
                     best = min(gpu, key=gpu.get)
                     self.gpu_timings_us[text] = {k: round(v, 2) for k, v in gpu.items()}
+                    best = self._least_host_time(text, candidates, gpu, best)
             if text in self.decisions:  # a changed decision: plans built on the old one must go
                 self.forget_fast_plans()
             self.decisions[text] = best
@@ -219,6 +230,28 @@ class Dispatcher:
                      ", ".join(f"{k} {v:.1f}us" for k, v in sorted(timings.items(), key=lambda kv: kv[1])))
             self.save()
         return best
+
+    def _least_host_time(self, text: str, candidates, gpu: dict[str, float], best: str) -> str:
+        """Where candidates of another backend have a GPU time within ``gpu_tie`` of ``best``'s, the backend whose
+        fastest such candidate takes the least host time per call, and that candidate; ``best`` otherwise (or
+        where no host time could be taken). Configs of one backend launch alike (a Triton plan's replay costs the
+        same whatever its tiles), so only backends are told apart by their host time."""
+        fastest: dict[str, str] = {}  # backend ("triton", "kitchen", "torch"...) -> its least-GPU-time candidate
+        for name in sorted(gpu, key=gpu.get):
+            if gpu[name] <= gpu[best] * (1.0 + self.gpu_tie):
+                fastest.setdefault(name.split(":", 1)[0], name)
+        if len(fastest) < 2:
+            return best
+        host = {}
+        for name in fastest.values():
+            try:
+                host[name] = _host_time_us(candidates[name], self.repeats)
+            except Exception as err:  # it ran above: leave it out of the host tie-break
+                log.info("LowBit kernel candidate %s: no host time for %s (%s)", name, text, err)
+        if not host:
+            return best
+        self.host_timings_us[text] = {k: round(v, 2) for k, v in host.items()}
+        return min(host, key=host.get)
 
     def _can_measure(self, device: torch.device) -> bool:
         if not self.measure or device.type != "cuda":
@@ -258,6 +291,23 @@ def _gpu_time_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
     torch.cuda.synchronize()
     cycles = int(min(max(200_000, 4_000 * 2 * host_us), 2e8))  # twice the launch time at up to 4 GHz, <= ~0.1 s
     return _median_batch_us(fn, repeats, cycles)
+
+
+def _host_time_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
+    """Host time per call: how long ``repeats`` calls take to return (their work enqueued) behind a GPU sleep
+    long enough that the queue never makes the CPU wait. Median of three batches."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    batches = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        if sleep is not None:
+            sleep(20_000_000)  # ~10 ms at the GPU's clock: far more than a few calls' launches
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        batches.append((time.perf_counter() - start) * 1e6 / repeats)
+    torch.cuda.synchronize()
+    return statistics.median(batches)
 
 
 def _median_batch_us(fn: Callable[[], torch.Tensor], repeats: int, sleep_cycles: int) -> float:

@@ -75,6 +75,47 @@ def test_a_sustained_tie_goes_to_the_least_gpu_time(monkeypatch, tmp_path):
     assert Dispatcher(cache_path=d.cache_path).gpu_timings_us == data["gpu_timings_us"]
 
 
+def test_a_gpu_tie_across_backends_goes_to_the_least_host_time(monkeypatch, tmp_path):
+    """GPU times of different backends within 5 % of the least (a weight-bound product): the backend that
+    enqueues its work with the least CPU time wins, with its fastest config; only each backend's fastest
+    GPU-tied candidate is host-timed (configs of one backend launch alike); the host times are kept."""
+    names = ("kitchen", "triton:a", "triton:b", "triton:c")
+    d = _measuring(monkeypatch, {"kitchen": 30.0, "triton:a": 31.0, "triton:b": 31.5, "triton:c": 32.0})
+    _gpu_timing(monkeypatch, {"kitchen": 10.0, "triton:a": 10.4, "triton:b": 10.2, "triton:c": 12.0})
+    hosted = []
+
+    def fake_host_time(fn, repeats):
+        name = fn()
+        hosted.append(name)
+        return {"kitchen": 90.0, "triton:a": 1.0, "triton:b": 25.0, "triton:c": 5.0}[name]
+
+    monkeypatch.setattr(dispatch, "_host_time_us", fake_host_time)
+    d.cache_path = tmp_path / "dispatch.json"
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in names}, torch.device("cpu")) == "triton:b"
+    assert sorted(hosted) == ["kitchen", "triton:b"]  # triton:c is 20 % slower on the GPU; a is b's backend
+    data = json.loads(d.cache_path.read_text())
+    assert data["host_timings_us"] == {KEY.as_str(): {"kitchen": 90.0, "triton:b": 25.0}}
+    assert Dispatcher(cache_path=d.cache_path).host_timings_us == data["host_timings_us"]
+
+    hosted.clear()  # one backend alone within the GPU tie: its least GPU time, nothing host-timed
+    d = _measuring(monkeypatch, {"triton:a": 31.0, "triton:b": 31.5, "kitchen": 30.0})
+    _gpu_timing(monkeypatch, {"triton:a": 10.4, "triton:b": 10.2, "kitchen": 20.0})
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in names[:3]}, torch.device("cpu")) == "triton:b" and not hosted
+
+    def no_host_time(fn, repeats):
+        raise RuntimeError("no host time")
+
+    d = _measuring(monkeypatch, {"kitchen": 30.0, "triton:a": 31.0})
+    _gpu_timing(monkeypatch, {"kitchen": 10.0, "triton:a": 10.4})
+    monkeypatch.setattr(dispatch, "_host_time_us", no_host_time)  # the GPU time's choice stands
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in names[:2]}, torch.device("cpu")) == "kitchen"
+    d = _measuring(monkeypatch, {"kitchen": 30.0, "triton:a": 31.0})
+    _gpu_timing(monkeypatch, {"kitchen": 10.0, "triton:a": 10.4})
+    monkeypatch.setattr(dispatch, "_host_time_us", fake_host_time)
+    d.gpu_tie = 0.0  # switched off: the least GPU time, as before
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in names[:2]}, torch.device("cpu")) == "kitchen"
+
+
 def test_no_tie_no_gpu_timing_and_a_failed_gpu_timing_keeps_the_sustained_choice(monkeypatch):
     d = _measuring(monkeypatch, {"a": 30.0, "b": 10.0})
     asked = _gpu_timing(monkeypatch, {"a": 1.0, "b": 50.0})
