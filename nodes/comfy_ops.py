@@ -399,13 +399,11 @@ class LowBitLinearMixin:
         quantization), so both give the same bits; anything else runs ``codec.linear``."""
         deferred = isinstance(input, DeferredInput)
         like = input.prologue.source if deferred else input
-        # Same cast as ComfyUI's weight-only-quant path: keep the weight's own dtype so the
-        # QuantizedTensor moves to the device still quantized; want_requant keeps a Dynamic-VRAM
-        # layer quantized when a LoRA is patched in while it streams.
-        with self._lowbit_patches_in_original_space():
-            weight, bias, offload_stream = comfy.ops.cast_bias_weight(
-                self, input=None, dtype=self.weight.dtype, device=like.device, bias_dtype=like.dtype,
-                offloadable=True, compute_dtype=like.dtype, want_requant=True)
+        if self._parameters.get(PRE_QUANT_SCALE) is None:  # no patch space to switch (a context costs µs per call)
+            weight, bias, offload_stream = self._lowbit_cast(like)
+        else:
+            with self._lowbit_patches_in_original_space():
+                weight, bias, offload_stream = self._lowbit_cast(like)
         try:
             k = input.prologue.shape[1] if deferred else input.shape[-1]
             form = self._lowbit_vbar_form(codec, config, weight, bias, like, k) if "_v" in self.__dict__ else None
@@ -434,6 +432,14 @@ class LowBitLinearMixin:
             return out
         finally:
             comfy.ops.uncast_bias_weight(self, weight, bias, offload_stream)
+
+    def _lowbit_cast(self, like: torch.Tensor):
+        # Same cast as ComfyUI's weight-only-quant path: keep the weight's own dtype so the
+        # QuantizedTensor moves to the device still quantized; want_requant keeps a Dynamic-VRAM
+        # layer quantized when a LoRA is patched in while it streams.
+        return comfy.ops.cast_bias_weight(self, input=None, dtype=self.weight.dtype, device=like.device,
+                                          bias_dtype=like.dtype, offloadable=True, compute_dtype=like.dtype,
+                                          want_requant=True)
 
     @staticmethod
     def _lowbit_form_prologue(form, input: DeferredInput, bias):
