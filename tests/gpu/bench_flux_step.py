@@ -274,6 +274,9 @@ def run(argv=None) -> dict:
     p.add_argument("--offload-cap-gb", type=float, default=0.0, help="also run the capped-VRAM comparison")
     p.add_argument("--offload-mode", default="int8_convrot")
     p.add_argument("--attention-backend", default="auto", help="the Attention Backend node's backend for +attn modes")
+    p.add_argument("--gpu-tie", type=float, default=None,
+                   help="the kernel dispatcher's gpu_tie (GPU times this close: the least host time wins); "
+                        "default: the dispatcher's own (0 = the least GPU time, as before it existed)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     dynamic = False
@@ -284,6 +287,20 @@ def run(argv=None) -> dict:
     if dynamic and device.type != "cuda":
         raise SystemExit("+dvram modes need a CUDA device (Dynamic VRAM is comfy-aimdo's)")
     import_comfy(device.type, dynamic)
+    from lowbit.kernels.dispatch import Dispatcher, use_dispatcher
+
+    dispatcher = Dispatcher() if a.gpu_tie is None else Dispatcher(gpu_tie=a.gpu_tie)
+    with use_dispatcher(dispatcher):
+        report = _run(a, device)
+    report["dispatch"] = {"gpu_tie": dispatcher.gpu_tie, "decisions": dispatcher.decisions,
+                          "gpu_timings_us": dispatcher.gpu_timings_us, "host_timings_us": dispatcher.host_timings_us}
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return report
+
+
+def _run(a, device) -> dict:
     from lowbit.nodes.model_quant import quantize_model
     from lowbit.quant.policy import Policy
 
@@ -349,9 +366,6 @@ def run(argv=None) -> dict:
         free(device)
     if a.offload_cap_gb > 0 and device.type == "cuda":
         report["offload"] = offload_compare(base, a, args, device)
-    if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
     return report
 
 

@@ -9,7 +9,8 @@ and records the dispatcher's decisions for the mode, so a step that is slower th
 promise shows where the time went.
 
 A mode's ``+unfused`` flag quantizes with ``fuse_inputs=False``, ``+floatmods`` keeps the modulation linears in
-bf16 (``bench_flux_step``'s flags; the attention backend is ``--attention-backend`` here).
+bf16, ``+dvram`` loads the model through Dynamic VRAM (``bench_flux_step``'s flags; ``bf16+dvram`` is stock bf16
+so loaded; the attention backend is ``--attention-backend`` here).
 
 Usage: ``python tests/gpu/profile_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out prof.json``
 """
@@ -196,12 +197,18 @@ def main(argv=None) -> dict:
                    help="also cProfile one whole step per mode on the host (where an eager step's CPU time goes)")
     p.add_argument("--out", default="profile_flux_step.json")
     a = p.parse_args(argv)
+    dynamic = False
     for mode in a.modes:  # a typo, or a flag this profile does not apply, fails before the model is built
-        if bfs.parse_mode(mode)[1] - {"unfused", "floatmods"}:
-            raise SystemExit(f"mode {mode!r}: only the +unfused and +floatmods flags apply here")
+        fmt, flags = bfs.parse_mode(mode)
+        if flags - {"unfused", "floatmods", "dvram"} or (fmt == "bf16" and flags != {"dvram"}):
+            raise SystemExit(f"mode {mode!r}: only the +unfused, +floatmods and +dvram flags apply here "
+                             "(bf16 only as bf16+dvram)")
+        dynamic |= "dvram" in flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device(a.device)
-    bfs.import_comfy(device.type)
+    if dynamic and device.type != "cuda":
+        raise SystemExit("+dvram modes need a CUDA device (Dynamic VRAM is comfy-aimdo's)")
+    bfs.import_comfy(device.type, dynamic)
     from lowbit.kernels.dispatch import current_dispatcher
     from lowbit.nodes.model_quant import quantize_model
     from lowbit.quant.policy import Policy
@@ -220,7 +227,12 @@ def main(argv=None) -> dict:
         try:
             fmt, flags = bfs.parse_mode(mode)  # "+unfused": norms and GELUs computed as written
             keep = (bfs.FLOAT_MODULATION,) if "floatmods" in flags else ()
-            q = quantize_model(base, Policy(mode=fmt, extra_keep_float=keep), fuse_inputs="unfused" not in flags)
+            if fmt == "bf16":  # bf16+dvram: a second copy of the model (same seed, same weights)
+                q = bfs.build_flux(a.size, device)
+            else:
+                q = quantize_model(base, Policy(mode=fmt, extra_keep_float=keep), fuse_inputs="unfused" not in flags)
+            if "dvram" in flags:
+                q = bfs.load_dynamic(q.model, device)
             before = set(current_dispatcher().decisions)
             row = profile_step(step(q), device)
             if a.host_profile:
