@@ -300,8 +300,8 @@ class LowBitLinearMixin:
 
     def _lowbit_dynamic_prologue_forward(self, input: DeferredInput):
         """Under Dynamic VRAM (the layer has a vbar slot, ``_v``): the linear of a deferred input through
-        :meth:`_lowbit_quantized_forward` (ComfyUI's vbar cast, then the fused path where the cast hands back
-        the resident weight), where the steady-state path's conditions hold; ``None`` otherwise (the caller
+        :meth:`_lowbit_quantized_forward` (ComfyUI's vbar cast, then the fused path on the quantized weight it
+        hands back), where the steady-state path's conditions hold; ``None`` otherwise (the caller
         materializes the input and takes the ordinary forward)."""
         codec = module_codec(self)
         if codec is None or not isinstance(_module_attr(self, "weight"), QuantizedTensor):
@@ -393,10 +393,11 @@ class LowBitLinearMixin:
 
     def _lowbit_quantized_forward(self, input, codec: FormatCodec, config: LowBitOpsConfig):
         """The linear through ComfyUI's cast (offloading, low-VRAM streaming, Dynamic VRAM). ``input`` may be a
-        deferred input (Dynamic VRAM, :meth:`_lowbit_dynamic_prologue_forward`). Where the cast hands back the
-        layer's resident vbar copy, the call takes the steady-state lanes a resident layer takes without Dynamic
-        VRAM (the settled plan from the weight's form; a deferred input computed inside the activation
-        quantization), so both give the same bits; anything else runs ``codec.linear``."""
+        deferred input (Dynamic VRAM, :meth:`_lowbit_dynamic_prologue_forward`). Under Dynamic VRAM the call
+        takes the steady-state lanes a resident layer takes without it, on the quantized weight the cast hands
+        back (the vbar's resident copy or a streamed one, :meth:`_lowbit_vbar_form`): the settled plan from the
+        weight's form, a deferred input computed inside the activation quantization; so both loadings give the
+        same bits. Anything else (and a first call, which settles the plan) runs ``codec.linear``."""
         deferred = isinstance(input, DeferredInput)
         like = input.prologue.source if deferred else input
         if self._parameters.get(PRE_QUANT_SCALE) is None:  # no patch space to switch (a context costs µs per call)
@@ -420,11 +421,11 @@ class LowBitLinearMixin:
             input_scale = getattr(self, "input_scale", None)
             if input_scale is not None:
                 input_scale = comfy.model_management.cast_to_device(input_scale, x.device, None)
-            plans = current_dispatcher().fast_plans
-            settled = len(plans)
+            plans = current_dispatcher().fast_plans if deferred and form is not None else None
+            settled = None if plans is None else len(plans)
             with kernel_backend(config.backend):
                 out = codec.linear(x, weight, bias, input_scale)
-            if deferred and form is not None and len(plans) != settled:
+            if plans is not None and len(plans) != settled:
                 # the call settled a plan: from now on the fused path runs; run it now too, so that the first
                 # call gives the bits of every later one (as the resident lane does)
                 fused = self._lowbit_form_prologue(form, input, bias)
