@@ -105,8 +105,8 @@ class NormModPrologue:
         """The prologue without ``__post_init__``'s checks, for a caller that has made them already (the
         deferred norms build two per modulated norm on every call)."""
         new = object.__new__(cls)
-        for name, value in (("x", x), ("eps", eps), ("mult", mult), ("shift", shift), ("rows_per_batch", rows_per_batch)):
-            object.__setattr__(new, name, value)
+        # the fields straight into the instance dict (what the frozen dataclass's __init__ stores), in one call
+        new.__dict__.update(x=x, eps=eps, mult=mult, shift=shift, rows_per_batch=rows_per_batch)
         return new
 
     @property
