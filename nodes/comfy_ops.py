@@ -188,6 +188,14 @@ def _module_attr(module: torch.nn.Module, name: str, default=None):
     return value
 
 
+def _where_input_is(weight, bias, like: torch.Tensor) -> bool:
+    """Whether ``weight`` and ``bias`` (``None`` allowed) are on ``like``'s device and in its dtype: the steady-state
+    lanes run on them as they are, with no cast."""
+    device, dtype = like.device, like.dtype
+    return weight.device == device and weight.dtype == dtype and (
+        bias is None or (bias.device == device and bias.dtype == dtype))
+
+
 def _run_every_op() -> None:
     hook = getattr(comfy.ops, "run_every_op", None)
     if hook is not None:
@@ -289,8 +297,7 @@ class LowBitLinearMixin:
                 or _module_attr(self, "input_scale") is not None or not self._lowbit_runs_quantized(src, config)):
             return None
         weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
-        if weight.device != src.device or weight.dtype != src.dtype or (
-                bias is not None and (bias.device != src.device or bias.dtype != src.dtype)):
+        if not _where_input_is(weight, bias, src):
             return None
         form = self._lowbit_weight_form(codec, weight, src, input.prologue.shape[1])
         if form is None:
@@ -323,8 +330,7 @@ class LowBitLinearMixin:
         keeps its form (:meth:`_lowbit_weight_form`). A streamed weight is a new tensor in a cast buffer on each
         call: its form is made for the call and not kept (it would hold the buffer), so a layer computes the same
         bits whether it streams or stays resident."""
-        if (not isinstance(weight, QuantizedTensor) or config.backend != "auto" or weight.device != like.device
-                or weight.dtype != like.dtype or (bias is not None and (bias.device != like.device or bias.dtype != like.dtype))
+        if (not isinstance(weight, QuantizedTensor) or config.backend != "auto" or not _where_input_is(weight, bias, like)
                 or _module_attr(self, "input_scale") is not None or torch.compiler.is_compiling()):
             return None
         if weight is self.__dict__.get("_v_weight"):
@@ -355,10 +361,9 @@ class LowBitLinearMixin:
         if config.backend != "auto" or "_v" in self.__dict__:
             return None
         weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
-        device, dtype = input.device, input.dtype
-        if weight.device != device or weight.dtype != dtype or (
-                bias is not None and (bias.device != device or bias.dtype != dtype)):
+        if not _where_input_is(weight, bias, input):
             return None
+        device = input.device
         input_scale = _module_attr(self, "input_scale")
         cached = self.__dict__.get(RUNNER_ATTR)
         if (cached is None or cached[0]() is not weight or cached[1] != device or cached[2] != input.shape[-1]
