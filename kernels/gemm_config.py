@@ -30,7 +30,7 @@ class GemmConfig:
     persistent: bool = False  # with tma: one program per SM looping over output tiles
     tma_store: bool = False  # the output tile leaves through a TMA store (contiguous outputs; else plain stores)
     subtile: bool = False  # with tma_store: the tile is stored as two BLOCK_N / 2 halves (half the staging buffer)
-    split_k: int = 1  # INT8 W8A8 only: K split over this many programs per tile, summed exactly in int32
+    split_k: int = 1  # INT8 products only: K split over this many programs per tile, summed exactly in int32
 
     def __post_init__(self):
         for value, what in ((self.block_m, "block_m"), (self.block_n, "block_n"), (self.block_k, "block_k")):
@@ -38,9 +38,9 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{what} must be a power of two >= 16, got {value}")
         if self.subtile and not self.tma_store:
             raise ValueError("GemmConfig.subtile splits the TMA-stored output tile: it needs tma_store=True")
-        if self.split_k < 1 or (self.split_k > 1 and (self.tma or self.persistent or self.swap_ab)):
-            raise ValueError(f"GemmConfig.split_k must be >= 1, and > 1 only with plain loads (no tma, persistent or "
-                             f"swap_ab), got split_k={self.split_k}")
+        if self.split_k < 1 or (self.split_k > 1 and self.persistent):
+            raise ValueError(f"GemmConfig.split_k must be >= 1, and > 1 only without persistent, "
+                             f"got split_k={self.split_k}")
 
     @property
     def name(self) -> str:
@@ -109,15 +109,17 @@ _W8A8_SMALL = (
     C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True), C(64, 128, 128, 8, 4, 4, tma=True, tma_store=True),
     C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True),
 )
-# Split-K for few rows (INT8 only: the partial sums add exactly in int32). At M = 256 an N = 3072 layer
-# has 48-96 output tiles for 132 SMs, each looping over all of K; splitting K fills the GPU. Measured on
-# an H200 (session 6, the issue shapes, the dispatcher's sustained eager time, which includes the
-# workspace memset and the separate epilogue launch): at M = 256 the best split-K config took 1.0-2.2x
-# the best other config's time and won 1 key of 15 (3072 x 12288, ConvRot, a tie); at M = 1024 it took
-# 1.3-3.3x and won none. So it is offered at M <= 256 only.
-_W8A8_SPLIT_K = (C(64, 128, 128, 8, 4, 3, split_k=2), C(64, 128, 128, 8, 4, 3, split_k=4),
-                 C(128, 128, 128, 8, 4, 3, split_k=4))
-_SPLIT_K_MAX_M = 256
+# Split-K for few rows (INT8 products only: the partial sums add exactly in int32). At M = 256 an N = 3072
+# layer has 24-96 output tiles for 132 SMs, each looping over all of K; splitting K fills the GPU. One
+# launch: each share leaves its partial tile in a kept workspace and the last share of a tile to finish adds
+# them up and runs the epilogue (``triton_w8a8_gemm._split_k_total``). Session 6 measured an earlier form (a
+# zeroed workspace, atomic adds, a separate epilogue launch: three launches) on an H200: at M = 256 it took
+# 1.0-2.2x the best other config's time in the dispatcher's eager timing and won 1 key of 15. The one-launch
+# form, GEMM alone at M = 256 (session 12, tests/gpu/sweep_small_m_gemm.py, CUDA-graph time): 3072 x 12288
+# went from 1.16x to 1.39x bf16 (64x128x128, 2 shares); on the wide shapes (N >= 9216) a split config is
+# 0.5-0.9x where the best other is 1.4-1.7x, and 256-row tiles with 4 shares were never the best.
+_W8A8_SPLIT_K = (C(64, 128, 128, 8, 4, 4, split_k=2), C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True, split_k=4))
+_SPLIT_K_MAX_M = 512
 # The 4-bit GEMM: the packed weight tile is half the bytes, the decode wants more rows per weight tile.
 # H200 sweep (session 5, tests/gpu/sweep_w4_gemm.py, GEMM alone, weights from HBM): signed nibbles are
 # fastest as 128x128x128 swap-AB, 4 warps, 4 stages (1.42x bf16 at M = 4096, 1.14x at M = 1024), with
@@ -137,6 +139,13 @@ _W4_SMALL = (
     C(64, 128, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4), C(64, 128, 128, 8, 4, 4, swap_ab=True),
     C(128, 64, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4, swap_ab=True), C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True),
 )
+# Split-K for few rows (as ``_W8A8_SPLIT_K``). Session 12's sweep at M = 256: signed nibbles 3072 x 12288
+# 1.15x bf16 with 64x128x128 swap-AB in 2 shares (0.69x for the whole linear in session 10), and 3072 x 3072
+# 0.74x against 0.73x; codebook weights 3072 x 12288 0.74x (4 shares) against 0.56x. 256-row tiles (each
+# packed tile decoded once) were slower than these everywhere: 0.41-0.85x.
+_W4_SPLIT_K = (C(64, 128, 128, 8, 4, 4, swap_ab=True, split_k=2), C(128, 128, 128, 8, 4, 4, swap_ab=True, split_k=4))
+_W4_CODEBOOK_SPLIT_K = (C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, split_k=2),
+                        C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, split_k=4))
 
 
 def w8a8_candidates(cap: tuple[int, int], m: int, fp8: bool = False) -> list[GemmConfig]:
@@ -159,6 +168,8 @@ def w4_candidates(cap: tuple[int, int], m: int, codebook: bool = False) -> list[
     pool = _W4_SMALL if m <= 1024 else _W4_LARGE
     if codebook:
         pool = _W4_CODEBOOK[:1] + pool + (_W4_CODEBOOK[1:] if m <= 1024 else ())
+    if m <= _SPLIT_K_MAX_M:
+        pool = pool + (_W4_CODEBOOK_SPLIT_K if codebook else _W4_SPLIT_K)
     return ([c for c in pool if c.fits(cap, 1.0, 0.5) and (not (c.tma or c.tma_store) or cap >= (9, 0))]
             or [C(64, 64, 64, 8, 4, 2)])
 

@@ -336,10 +336,11 @@ def verify(device: torch.device) -> list[str]:
         return torch.isfinite(out.float()).all().item() and (diff <= ref.float().abs() * 2**-7 + 1e-6).all().item()
 
     # exact int32 accumulators (fp32 out, unit scales): one small and one large config, plus a ragged K
-    split = [c for c in w8a8_candidates(cap, 256) if c.split_k > 1][:1]
+    # every split-K config (twice at one shape: the second launch relies on the first leaving its locks at zero)
+    split = [c for c in w8a8_candidates(cap, 256) if c.split_k > 1]
     for m, n, k, cfg in [(300, 384, 3072, w8a8_candidates(cap, 300)[0]), (4096, 3072, 3072, w8a8_candidates(cap, 4096)[0]),
-                         (77, 200, 1000, w8a8_candidates(cap, 77)[0])] + [(256, 3072, 12288, c) for c in split] + [
-                         (77, 200, 1000, c) for c in split]:
+                         (77, 200, 1000, w8a8_candidates(cap, 77)[0])] + [(256, 3072, 12288, c) for c in split] * 2 + [
+                         (300, 384, 3072, c) for c in split] + [(77, 200, 1000, c) for c in split if not c.tma]:
         a = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
         b = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
         poison = torch.full((m, n), float("nan"), device=device)
@@ -396,6 +397,10 @@ def verify(device: torch.device) -> list[str]:
                 check(f"w4 expand codebook={codebook} ptx={ptx} n={n} k={k}", torch.equal(levels, expected))
     from .triton_w4_expand import _ptx_checked as _expand_checked
     from .triton_w4_gemm import _ptx_checked
+    from .triton_w8a8_gemm import _workspaces
+
+    locks = [held[1] for held in _workspaces.values()]
+    check("split-K locks all back at zero after the checks", bool(locks) and not any(t.any().item() for t in locks))
 
     rejected = [key for key, ok in (*_ptx_checked.items(), *_expand_checked.items()) if not ok]
     check("w4 codebook in-register decode accepted by every variant's first-call check", not rejected,

@@ -55,7 +55,7 @@ import triton.language as tl
 from .backend import capability, interpreting
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
-from .triton_w8a8_gemm import _sm_count
+from .triton_w8a8_gemm import _sm_count, _split_k_total, split_k_workspace
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,12 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
 
 
 @triton.jit
-def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, K, stride_am, stride_wn, stride_sn,
+def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride_am, stride_wn, stride_sn,
              CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
              TMA_A: tl.constexpr, TMA_W: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``.
+    """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``, over the K tiles
+    ``[k_first, k_last)`` (K is a multiple of ``BLOCK_K``: checked by the launcher).
 
     ``TMA_A`` / ``TMA_W``: ``a`` / ``w`` is a TMA descriptor (blocks ``[BLOCK_M, BLOCK_K / 2]`` /
     ``[BLOCK_N, BLOCK_K / 2]``: the even and odd halves of the activation tile are two copies, so
@@ -143,14 +144,14 @@ def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, K, stride_am, stride_wn
     if not TMA_A:
         offs_m = off_m + tl.arange(0, BLOCK_M)
         rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-        a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + offs_h[None, :]
+        a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + (k_first * BLOCK_K + offs_h)[None, :]
     if not TMA_W:
-        w_ptrs = w + rows_b[:, None].to(tl.int64) * stride_wn + offs_h[None, :]
+        w_ptrs = w + rows_b[:, None].to(tl.int64) * stride_wn + (k_first * HALF + offs_h)[None, :]
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(0, K // BLOCK_K):  # K is a multiple of BLOCK_K (checked by the launcher)
+    for k in range(k_first, k_last):
         if TMA_A:
             a_even = a.load([off_m, k * BLOCK_K])
             a_odd = a.load([off_m, k * BLOCK_K + HALF])
@@ -212,32 +213,47 @@ def _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, off_m, off_n, M, N, st
 
 @triton.jit
 def _w4a8_mm_kernel(
-    a, w, c, a_scale_ptr, w_scale_ptr, bias_ptr, s_ptr, table_ptr,
-    M, N, K, stride_am, stride_wn, stride_sn, stride_cm,
+    a, w, c, a_scale_ptr, w_scale_ptr, bias_ptr, s_ptr, table_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_am, stride_wn, stride_sn, stride_cm, K_TILES_PER_SPLIT,
     CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
     SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One output tile a program, or (``PERSISTENT``) a grid of at most one program per SM walking the
     tiles in the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the
     next tile's loads. (The stride is ``tl.num_programs``, not a constexpr: a grid smaller than the SM
-    count, for a small output, needs no compile of its own.)"""
+    count, for a small output, needs no compile of its own.) ``SPLIT_K`` > 1 (not persistent): program
+    ``(tile, s)`` sums its share of the K tiles and the last share of a tile to finish writes it
+    (``triton_w8a8_gemm._split_k_total``)."""
     if PERSISTENT:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-            acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
-                           stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, 0, K // BLOCK_K,
+                           stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
             _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                       HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-        acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_am, stride_wn,
-                       stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
-        _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
-                  HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
+        k_first = 0
+        k_last = K // BLOCK_K
+        if SPLIT_K > 1:
+            k_first = tl.program_id(1) * K_TILES_PER_SPLIT
+            k_last = tl.minimum(k_last, k_first + K_TILES_PER_SPLIT)
+        acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, k_first, k_last, stride_am,
+                       stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
+        if SPLIT_K > 1:
+            acc, last = _split_k_total(acc, ws_ptr, lock_ptr, tl.program_id(0), tl.program_id(1), SPLIT_K,
+                                       BLOCK_M, BLOCK_N)
+            if last:
+                _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                          stride_cm, HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
+        else:
+            _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
+                      HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -284,21 +300,36 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_w else packed
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
+    splits, per_split = _splits(config, k)
+    ws, locks = (split_k_workspace(a.device, tiles * splits * config.block_m * config.block_n, tiles)
+                 if splits > 1 else (a, a))
+    grid = (programs, splits)
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
                                    use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,
-                                   tma_store=tma_store)
+                                   tma_store=tma_store, splits=splits)
     args = (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
-            s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed,
-            m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0))
+            s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed, ws, locks,
+            m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0), per_split)
     if ptx is None and codebook and constexprs["USE_PTX"]:
         key = (a.device.index, config.name, out_dtype, tma_a, tma_w, tma_store, bias is not None, group_size)
         verdict = _ptx_checked.get(key)
         if verdict is None and not torch.cuda.is_current_stream_capturing():
-            _check_ptx_codebook(args, constexprs, config, programs, out, key)
+            _check_ptx_codebook(args, constexprs, config, grid, out, key)
             return out
         constexprs["USE_PTX"] = bool(verdict)  # inside a graph capture, before any check: the gathers, this once
-    _LAUNCHER.launch((programs,), args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
+    _LAUNCHER.launch(grid, args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
+
+
+def _splits(config: GemmConfig, k: int) -> tuple[int, int]:
+    """``(splits, K tiles per split)``: how a ``split_k`` config shares out K's tiles (no empty share;
+    ``(1, 0)`` where there is only one tile or the config does not split)."""
+    if config.split_k == 1 or config.persistent:
+        return 1, 0
+    k_tiles = k // config.block_k
+    per_split = -(-k_tiles // config.split_k)
+    splits = -(-k_tiles // per_split)
+    return (splits, per_split) if splits > 1 else (1, 0)
 
 
 # The codebook's PTX decode assumes that the 4 bytes Triton hands one inline-assembly instance are
@@ -309,19 +340,19 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
 _ptx_checked: dict[tuple, bool] = {}
 
 
-def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, programs: int, out: torch.Tensor,
+def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, grid: tuple, out: torch.Tensor,
                         key: tuple) -> None:
     """Run the variant with the gather decode into ``out`` and with the PTX decode into a second
     buffer; keep the verdict under ``key`` (what selects the compiled variant: device, config, output
     dtype, the TMA flags, bias, group size). ``args[2]`` (the output or its TMA descriptor) is rebuilt
     for the second run."""
     gathers = dict(constexprs, USE_PTX=False)
-    _LAUNCHER.launch((programs,), args, gathers, num_warps=config.num_warps, num_stages=config.num_stages)
+    _LAUNCHER.launch(grid, args, gathers, num_warps=config.num_warps, num_stages=config.num_stages)
     trial = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
     c_arg = trial
     if constexprs["TMA_STORE"]:
         c_arg = tma_descriptor(trial, (config.block_m, config.block_n // (2 if constexprs["SUBTILE"] else 1)))
-    _LAUNCHER.launch((programs,), args[:2] + (c_arg,) + args[3:14] + (trial.stride(0),), constexprs,
+    _LAUNCHER.launch(grid, args[:2] + (c_arg,) + args[3:16] + (trial.stride(0),) + args[17:], constexprs,
                      num_warps=config.num_warps, num_stages=config.num_stages)
     verdict = bool(torch.equal(trial, out))
     if not verdict:
@@ -332,12 +363,12 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, progr
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
-                      tma_a: bool, tma_w: bool, tma_store: bool) -> dict:
+                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1) -> dict:
     """The constexpr arguments of :func:`_w4a8_mm_kernel`, in parameter order, for one variant
     (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
                 SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
-                SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent,
+                SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent, SPLIT_K=splits,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
 
 

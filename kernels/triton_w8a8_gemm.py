@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .gemm_config import GemmConfig
-from .launcher import TritonLauncher, tma_descriptor
+from .launcher import TritonLauncher, constant_tensor, tma_descriptor
 
 
 @functools.lru_cache(maxsize=8)
@@ -104,26 +104,57 @@ def _store_out(acc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_sh
 
 
 @triton.jit
+def _split_k_total(acc, ws_ptr, lock_ptr, tile, split, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K in one launch: program ``(tile, split)`` leaves its int32 partial tile in the workspace and
+    counts itself in on the tile's lock; the program that arrives last adds the other shares to its own
+    (integer sums: exact, in any order) and returns ``(sum, True)``, the others ``(acc, False)`` and stop.
+    The last one also puts the lock back to zero, so the next launch finds it as the allocation left it
+    (:func:`split_k_workspace`): no zeroing launch, and the launch can be replayed."""
+    TILE: tl.constexpr = BLOCK_M * BLOCK_N
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    base = ws_ptr + tile.to(tl.int64) * (SPLIT_K * TILE)
+    tl.store(base + split * TILE + offs, acc, cache_modifier=".cg")
+    tl.debug_barrier()  # every thread's share is written before the count (release at GPU scope)
+    arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    if last:
+        for s in tl.static_range(SPLIT_K):
+            if s != split:
+                acc += tl.load(base + s * TILE + offs, cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return acc, last
+
+
+@triton.jit
 def _w8a8_mm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
-    M, N, K, stride_am, stride_bn, stride_cm,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_am, stride_bn, stride_cm, K_TILES_PER_SPLIT,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """One output tile a program; with ``SPLIT_K`` > 1 (INT8 only) program ``(tile, s)`` sums the K tiles
+    ``[s * K_TILES_PER_SPLIT, (s + 1) * K_TILES_PER_SPLIT)`` and the last share of a tile to finish
+    writes it (:func:`_split_k_total`)."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
     rows_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    first = 0
+    if SPLIT_K > 1:
+        first = tl.program_id(1) * K_TILES_PER_SPLIT
+        k_tiles = tl.minimum(k_tiles, first + K_TILES_PER_SPLIT)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + (first * BLOCK_K + offs_k)[None, :]
+    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + (first * BLOCK_K + offs_k)[None, :]
     if ACC_INT32:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(first, k_tiles):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -141,85 +172,56 @@ def _w8a8_mm_kernel(
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
-              offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
-
-
-@triton.jit
-def _int8_mm_split_k_kernel(
-    a_ptr, b_ptr, ws_ptr, M, N, K, stride_am, stride_bn,
-    K_TILES_PER_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """Split-K INT8: program (tile, s) sums its share of K (``K_TILES_PER_SPLIT`` tiles of ``BLOCK_K``) and
-    adds it atomically into the zeroed int32 workspace ``ws`` [M, N]. Integer sums are exact and
-    order-free, so the result equals one program's; :func:`_split_k_epilogue_kernel` applies the scales."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    first = tl.program_id(1) * K_TILES_PER_SPLIT
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-    rows_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    offs_k = first * BLOCK_K + tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for kt in range(0, K_TILES_PER_SPLIT):
-        if EVEN_K:  # K_TILES_PER_SPLIT divides K's tiles and BLOCK_K divides K: no masks
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k[None, :] < K - kt * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok, other=0)
-            b = tl.load(b_ptrs, mask=k_ok, other=0)
-        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    ws_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.atomic_add(ws_ptrs, acc, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :], sem="relaxed")
-
-
-@triton.jit
-def _split_k_epilogue_kernel(
-    ws_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, M, N, stride_cm,
-    B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """The split-K sums through the same epilogue as the one-program kernels (same bits)."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    acc = tl.load(ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], mask=ok, other=0)
-    _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
-              offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+    if SPLIT_K > 1:
+        acc, last = _split_k_total(acc, ws_ptr, lock_ptr, tl.program_id(0), tl.program_id(1), SPLIT_K,
+                                   BLOCK_M, BLOCK_N)
+        if last:
+            _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+                      offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
+    else:
+        _epilogue(acc, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
+                  offs_m, offs_n, M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT)
 
 
 @triton.jit
 def _w8a8_mm_tma_kernel(
-    a_desc, b_desc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr,
-    M, N, K, stride_cm,
+    a_desc, b_desc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_cm, K_TILES_PER_SPLIT,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """sm_90 variant: operand tiles arrive by TMA (the bulk tensor copy engine); out-of-range rows
-    and a ragged K are zero-filled by the copy engine, so no masks at all."""
+    and a ragged K are zero-filled by the copy engine, so no masks at all. ``SPLIT_K`` as in
+    :func:`_w8a8_mm_kernel`."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    first = 0
+    if SPLIT_K > 1:
+        first = tl.program_id(1) * K_TILES_PER_SPLIT
+        k_tiles = tl.minimum(k_tiles, first + K_TILES_PER_SPLIT)
     if ACC_INT32:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+    for k in tl.range(first, k_tiles, warp_specialize=WARP_SPECIALIZE):
         a = a_desc.load([off_m, k * BLOCK_K])
         b = b_desc.load([off_n, k * BLOCK_K])
         if ACC_INT32:
             acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a, b.T, acc, out_dtype=tl.float32)
-    _store_out(acc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, off_m, off_n, M, N,
-               stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
+    if SPLIT_K > 1:
+        acc, last = _split_k_total(acc, ws_ptr, lock_ptr, tl.program_id(0), tl.program_id(1), SPLIT_K,
+                                   BLOCK_M, BLOCK_N)
+        if last:
+            _store_out(acc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, off_m, off_n,
+                       M, N, stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
+    else:
+        _store_out(acc, c, a_scale_ptr, b_scale_ptr, bias_ptr, row_shift_ptr, col_shift_ptr, off_m, off_n, M, N,
+                   stride_cm, B_SCALE_PER_N, HAS_BIAS, HAS_SHIFT, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -273,14 +275,14 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
         return out
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     args = (bias if bias is not None else a_scale, row_shift if row_shift is not None else a_scale,
-            col_shift if col_shift is not None else a_scale, m, n, k)
+            col_shift if col_shift is not None else a_scale)
     flags = dict(B_SCALE_PER_N=b_scale.numel() != 1, HAS_BIAS=bias is not None, HAS_SHIFT=row_shift is not None,
                  ACC_INT32=a.dtype == torch.int8)
     tiles_flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    if config.split_k > 1:
-        _split_k(a, b, out, a_scale, b_scale, args, flags, config, options)
-    elif config.tma:
+    splits, per_split, ws, locks = _split_plan(a, config, tiles, k)
+    grid = (tiles, splits)
+    if config.tma:
         a_desc = tma_descriptor(a, (config.block_m, config.block_k))
         b_desc = tma_descriptor(b, (config.block_n, config.block_k))
         tma_store = config.tma_store and _tma_storable(out)
@@ -288,39 +290,59 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
         store = dict(TMA_STORE=tma_store, SUBTILE=tma_store and config.subtile)
         if config.persistent:
             programs = min(tiles, _sm_count(a.device))
-            _PERSISTENT.launch((programs,), (a_desc, b_desc, c, a_scale, b_scale, *args, out.stride(0)),
+            _PERSISTENT.launch((programs,), (a_desc, b_desc, c, a_scale, b_scale, *args, m, n, k, out.stride(0)),
                                dict(**flags, NUM_PROGRAMS=programs, **store, **tiles_flags), **options)
         else:
-            _TMA.launch((tiles,), (a_desc, b_desc, c, a_scale, b_scale, *args, out.stride(0)),
-                        dict(**flags, WARP_SPECIALIZE=config.warp_specialize, **store, **tiles_flags), **options)
+            _TMA.launch(grid, (a_desc, b_desc, c, a_scale, b_scale, *args, ws, locks, m, n, k, out.stride(0),
+                               per_split),
+                        dict(**flags, WARP_SPECIALIZE=config.warp_specialize, **store, SPLIT_K=splits, **tiles_flags),
+                        **options)
     else:
-        _POINTER.launch((tiles,), (a, b, out, a_scale, b_scale, *args, a.stride(0), b.stride(0), out.stride(0)),
-                        dict(**flags, EVEN_K=k % config.block_k == 0, **tiles_flags), **options)
+        _POINTER.launch(grid, (a, b, out, a_scale, b_scale, *args, ws, locks, m, n, k, a.stride(0), b.stride(0),
+                               out.stride(0), per_split),
+                        dict(**flags, EVEN_K=k % config.block_k == 0, SPLIT_K=splits, **tiles_flags), **options)
     return out
 
 
-def _split_k(a, b, out, a_scale, b_scale, args, flags, config: GemmConfig, options) -> None:
-    """:func:`w8a8_mm_triton` for a ``split_k`` config: K in ``split_k`` shares summed exactly in a zeroed
-    int32 workspace, then the epilogue (three launches: the zeroing, the GEMM, the epilogue)."""
+def _split_plan(a: torch.Tensor, config: GemmConfig, tiles: int, k: int) -> tuple:
+    """``(splits, K tiles per split, workspace, locks)`` for a launch of ``config``: ``splits`` is 1 (and the
+    workspace a placeholder) unless the config splits K and K has more than one tile to share out."""
+    if config.split_k == 1:
+        return 1, 0, a, a
     if a.dtype != torch.int8:
         raise ValueError(f"split-K config {config.name} sums INT8 products exactly in int32; FP8 codes ({a.dtype}) "
                          f"take a config without -k")
-    m, k = a.shape
-    n = b.shape[0]
     k_tiles = -(-k // config.block_k)
     per_split = -(-k_tiles // config.split_k)
     splits = -(-k_tiles // per_split)  # no empty share
-    even = k % config.block_k == 0 and k_tiles % per_split == 0
-    ws = torch.zeros((m, n), dtype=torch.int32, device=a.device)
-    tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    _SPLIT_K.launch((tiles, splits), (a, b, ws, m, n, k, a.stride(0), b.stride(0)),
-                    dict(K_TILES_PER_SPLIT=per_split, EVEN_K=even, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                         BLOCK_K=config.block_k, GROUP_M=config.group_m), **options)
-    bias, row_shift, col_shift = args[:3]
-    _SPLIT_K_EPILOGUE.launch((-(-m // 64), -(-n // 64)),
-                             (ws, out, a_scale, b_scale, bias, row_shift, col_shift, m, n, out.stride(0)),
-                             dict(B_SCALE_PER_N=flags["B_SCALE_PER_N"], HAS_BIAS=flags["HAS_BIAS"],
-                                  HAS_SHIFT=flags["HAS_SHIFT"], BLOCK_M=64, BLOCK_N=64), num_warps=4)
+    if splits == 1:
+        return 1, 0, a, a
+    ws, locks = split_k_workspace(a.device, tiles * splits * config.block_m * config.block_n, tiles)
+    return splits, per_split, ws, locks
+
+
+# device -> (workspace, locks): the split-K scratch, grown when a launch needs more and never freed (a CUDA
+# graph may hold an earlier one). One per device: the kernels of one stream run in order, and LowBit's
+# layers run on the device's current stream; two split-K launches running at once on two streams of one
+# device would share it.
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def split_k_workspace(device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int32 split-K workspace (at least ``elements``) and lock counters (at least ``tiles``, all zero
+    between launches: each launch's last share puts its tile's back), both kept for later launches and
+    marked as replayable constants (their contents between launches never change)."""
+    held = _workspaces.get(device)
+    if held is not None and held[0].numel() >= elements and held[1].numel() >= tiles:
+        return held
+    if held is not None:
+        _retired.append(held)
+        elements, tiles = max(elements, held[0].numel()), max(tiles, held[1].numel())
+    held = (constant_tensor(torch.empty(elements, dtype=torch.int32, device=device)),
+            constant_tensor(torch.zeros(tiles, dtype=torch.int32, device=device)))
+    _workspaces[device] = held
+    return held
 
 
 _STORABLE = (torch.bfloat16, torch.float16, torch.float32)
@@ -333,7 +355,5 @@ def _tma_storable(out: torch.Tensor) -> bool:
 
 
 _POINTER = TritonLauncher(_w8a8_mm_kernel)
-_SPLIT_K = TritonLauncher(_int8_mm_split_k_kernel)
-_SPLIT_K_EPILOGUE = TritonLauncher(_split_k_epilogue_kernel)
 _TMA = TritonLauncher(_w8a8_mm_tma_kernel)
 _PERSISTENT = TritonLauncher(_w8a8_mm_persistent_kernel)

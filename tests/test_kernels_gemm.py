@@ -27,7 +27,8 @@ CONFIGS = [
     GemmConfig(32, 64, 64, 4, 4, 2, tma=True, persistent=True, tma_store=True, subtile=True),
 ]
 TMA_STORE = [c for c in CONFIGS if c.tma_store]
-SPLIT_K = [GemmConfig(32, 32, 32, 4, 4, 2, split_k=2), GemmConfig(16, 32, 64, 2, 4, 2, split_k=3)]
+SPLIT_K = [GemmConfig(32, 32, 32, 4, 4, 2, split_k=2), GemmConfig(16, 32, 64, 2, 4, 2, split_k=3),
+           GemmConfig(32, 32, 32, 4, 4, 2, tma=True, tma_store=True, split_k=4)]
 
 
 def _mm(*args, **kwargs):
@@ -118,23 +119,47 @@ def test_tma_store_falls_back_to_plain_stores_for_unaligned_outputs():
 @pytest.mark.parametrize("config", SPLIT_K, ids=lambda c: c.name)
 @pytest.mark.parametrize("m,n,k", [(37, 72, 320), (5, 40, 96), (33, 64, 1000)])
 def test_split_k_sums_int8_exactly(config, m, n, k):
-    """K split over several programs whose int32 partial sums add atomically: exact, whatever the order,
-    for ragged M, N and K (a K share may end in a masked tail or be shorter than the others)."""
+    """K split over several programs whose int32 partial sums the last one to finish adds up: exact, for
+    ragged M, N and K (a K share may end in a masked tail or be shorter than the others)."""
+    if config.tma and k % 16:
+        pytest.skip("a TMA descriptor needs 16-byte row strides")
     a, b = randint8(m, k, seed=m + 2 * k), randint8(n, k, seed=n + k + 3)
     poison = torch.full((m, n), float("nan"))
     out = _mm(a, b, torch.ones(m, 1), torch.ones(n), None, None, None, torch.float32, config, out=poison)
     assert torch.equal(out, int8_accumulate_reference(a, b).float())
 
 
+@pytest.mark.parametrize("config", SPLIT_K[::2], ids=lambda c: c.name)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_split_k_epilogue_is_the_one_program_epilogue(out_dtype):
+def test_split_k_epilogue_is_the_one_program_epilogue(config, out_dtype):
     m, n, k = 29, 48, 384
     a, b = randint8(m, k, seed=21), randint8(n, k, seed=22)
     a_scale = torch.rand(m, 1, generator=torch.Generator().manual_seed(23)) * 1e-2
     b_scale = torch.rand(n, generator=torch.Generator().manual_seed(24)) * 1e-2
     bias, row_shift, col_shift = randn(n, seed=25), randn(m, seed=26), randn(n, seed=27)
     args = (a, b, a_scale, b_scale, bias, row_shift, col_shift, out_dtype)
-    assert torch.equal(_mm(*args, SPLIT_K[0]), _mm(*args, CONFIGS[0]))
+    assert torch.equal(_mm(*args, config), _mm(*args, CONFIGS[0]))
+
+
+def test_split_k_workspace_is_kept_and_its_locks_left_at_zero(monkeypatch):
+    """One launch, no zeroing: every launch finds the locks at zero because each tile's last share puts its
+    lock back; the workspace is kept between launches, and a bigger need replaces it without freeing the
+    old one (a CUDA graph may still use it)."""
+    from lowbit.kernels import triton_w8a8_gemm as gemm
+
+    monkeypatch.setattr(gemm, "_workspaces", {})
+    monkeypatch.setattr(gemm, "_retired", [])
+    config = SPLIT_K[0]
+    outputs = []
+    for m, n, k in ((20, 40, 128), (20, 40, 128), (9, 30, 96)):
+        a, b = randint8(m, k, seed=m + k), randint8(n, k, seed=n + 1)
+        outputs.append(_mm(a, b, torch.ones(m, 1), torch.ones(n), None, None, None, torch.float32, config))
+        assert torch.equal(outputs[-1], int8_accumulate_reference(a, b).float())
+        (ws, locks), = gemm._workspaces.values()
+        assert not locks.any(), "a lock was left counting"
+    assert not gemm._retired, "the workspace was replaced for a launch it already fits"
+    gemm.split_k_workspace(torch.device("cpu"), ws.numel() + 1, locks.numel())
+    assert gemm._retired == [(ws, locks)] and gemm._workspaces[torch.device("cpu")][0].numel() == ws.numel() + 1
 
 
 def test_split_k_refuses_fp8_and_is_offered_for_int8_at_small_m_only():
@@ -143,10 +168,15 @@ def test_split_k_refuses_fp8_and_is_offered_for_int8_at_small_m_only():
         _mm(a, a, torch.ones(16, 1), torch.ones(16), None, None, None, torch.float32, SPLIT_K[0])
     assert any(c.split_k > 1 for c in w8a8_candidates((9, 0), 256))
     assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 256, fp8=True))
+    assert any(c.split_k > 1 for c in w8a8_candidates((9, 0), 512))
     assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 4096))
-    assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 1024))  # measured: never won there
+    assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 1024))
+    assert not any(c.split_k > 1 and c.tma for c in w8a8_candidates((8, 9), 256))  # no TMA before sm_90
+    assert any(c.split_k > 1 for c in w4_candidates((9, 0), 256)) and any(
+        c.split_k > 1 for c in w4_candidates((9, 0), 256, codebook=True))
+    assert not any(c.split_k > 1 for c in w4_candidates((9, 0), 1024))
     with pytest.raises(ValueError, match="split_k"):
-        GemmConfig(64, 64, 64, tma=True, split_k=2)
+        GemmConfig(64, 64, 64, tma=True, persistent=True, split_k=2)
 
 
 def test_config_names_round_trip_and_reject_garbage():
@@ -166,4 +196,5 @@ def test_candidates_fit_the_gpu():
     ada = w8a8_candidates((8, 9), 4096)
     assert any(c.tma for c in hopper) and not any(c.tma for c in ada)
     assert all(c.fits((8, 9)) for c in ada) and all(c.fits((8, 9), 1.0, 0.5) for c in w4_candidates((8, 9), 4096))
-    assert max(c.block_m for c in w8a8_candidates((9, 0), 256)) <= 128
+    # small M: tiles of at most 128 rows fill the SMs; a 256-row tile only where K is split among programs
+    assert max(c.block_m for c in w8a8_candidates((9, 0), 256) if c.split_k == 1) <= 128

@@ -48,7 +48,8 @@ def test_level_table_is_cached_per_codebook_tensor():
 
 @needs_triton_interpreter()
 @pytest.mark.parametrize("config", [GemmConfig(32, 32, 64, 4, 4, 2), GemmConfig(16, 64, 128, 4, 4, 2),
-                                    GemmConfig(32, 32, 64, 4, 4, 2, swap_ab=True)], ids=lambda c: c.name)
+                                    GemmConfig(32, 32, 64, 4, 4, 2, swap_ab=True),
+                                    GemmConfig(32, 32, 64, 4, 4, 2, swap_ab=True, split_k=4)], ids=lambda c: c.name)
 @pytest.mark.parametrize("codebook", [False, True])
 def test_w4_gemm_is_exact(config, codebook):
     from lowbit.kernels.triton_w4_gemm import w4a8_mm_triton

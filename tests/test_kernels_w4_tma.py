@@ -35,6 +35,10 @@ VARIANTS = {
     "swap-tma-tmastore": dict(swap_ab=True, tma=True, tma_store=True),
     "tma-persistent-tmastore-sub": dict(tma=True, persistent=True, tma_store=True, subtile=True),
     "persistent": dict(persistent=True),
+    # split-K (K = 256: 4 tiles of 64): 2 shares, 2 shares of 2 tiles (3 asked), 4 shares
+    "split-k2": dict(split_k=2),
+    "swap-split-k3": dict(swap_ab=True, split_k=3),
+    "tma-tmastore-sub-split-k4": dict(tma=True, tma_store=True, subtile=True, split_k=4),
 }
 K = 256
 CODEBOOK = torch.tensor(ck_w4a8._FIXED_LUT)

@@ -76,6 +76,10 @@ W8A8 = {  # name: (config, rotation, group, smooth + centre, fp8)
     "hadanorm-tma": (TMA, "sylvester", 128, True, False),
     "fp8-tma-persistent-sub": (TMA_STORE_SUB, "none", 0, False, True),
     "int8-torch-mm": (None, "none", 0, False, False),
+    # split-K: the kept workspace and locks are constants of the recording; K = 256 is 4 tiles, 2 shares
+    "int8-split-k-pointer": (GemmConfig(16, 32, 64, 4, 4, 2, split_k=2), "none", 0, False, False),
+    "hadanorm-split-k-tma": (GemmConfig(32, 32, 64, 4, 4, 2, tma=True, tma_store=True, split_k=3), "sylvester", 128,
+                             True, False),
 }
 
 
@@ -141,6 +145,9 @@ W4 = {  # name: (plan class, config, qmax, codebook)
     "w4a4-pointer": (_TritonW4Plan, GemmConfig(32, 32, 64, 4, 4, 2), 7.0, False),
     "w4a8-codebook-tma": (_TritonW4Plan, GemmConfig(32, 32, 64, 4, 4, 2, tma=True, tma_store=True), 127.0, True),
     "w4a8-expand-persistent": (_ExpandW4Plan, TMA_STORE_SUB, 127.0, True),
+    "w4a4-split-k-swap": (_TritonW4Plan, GemmConfig(32, 32, 64, 4, 4, 2, swap_ab=True, split_k=2), 7.0, False),
+    "w4a8-codebook-split-k-tma": (_TritonW4Plan, GemmConfig(32, 32, 64, 4, 4, 2, tma=True, tma_store=True, split_k=4),
+                                  127.0, True),
 }
 CODEBOOK = torch.tensor(ck_w4a8._FIXED_LUT)
 
