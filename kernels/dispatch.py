@@ -28,7 +28,14 @@ eager mode) it is what the call costs, and every Triton config then costs about 
 time is the same calls queued entirely behind a sleep that outlasts their launches: what a CUDA
 graph (``torch.compile``'s ``reduce-overhead``) or a CPU that runs ahead pays. Among the candidates
 whose sustained time is within ``tie`` (15 %) of the fastest, the one with the least GPU time wins,
-so a host-bound tie is never settled by noise in favour of a config that leaves SMs idle. Where GPU
+so a host-bound tie is never settled by noise in favour of a config that leaves SMs idle. The fastest's
+own backend's configs join that comparison within ``backend_tie`` (25 %): a host-bound call's sustained
+time is mostly the full path's launch cost, which the configs of one backend share, so gaps that wide
+among them can be noise (an H200 run, session 12: a split-K config slow on the GPU came first at 79 µs,
+15 % ahead of three configs 20 % faster on the GPU). Not wider: a TMA config's descriptors cost it
+20-40 % more sustained time there, a real cost in an eager model, and 50 % let them in.
+Candidates whose GPU times are within ``gpu_tie`` of the least are then told apart by their sustained
+time: a TMA config 1 % faster on the GPU but 20 µs slower to launch (its descriptors) loses. Where GPU
 times of different backends tie too (within ``gpu_tie``, 5 %, of the least: e.g. few rows, a product
 bound by the weight's bytes), the backend with the least *host* time wins: the CPU time one call takes
 to enqueue its work (measured as the candidate is called here, median of three batches). In an eager
@@ -114,6 +121,7 @@ class Dispatcher:
     warmup: int = 2
     repeats: int = 5
     tie: float = 0.15  # sustained times within this share of the fastest: the least GPU time wins
+    backend_tie: float = 0.25  # the same for the fastest's own backend's configs, within this wider share
     gpu_tie: float = 0.05  # GPU times within this share of the least (of those): the least host time wins
     decisions: dict[str, str] = field(default_factory=dict)
     timings_us: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -208,7 +216,9 @@ class Dispatcher:
             if not timings:
                 raise BackendUnavailableError(f"every implementation failed for {text}: {failures}")
             best = min(timings, key=timings.get)
-            tied = [name for name in timings if timings[name] <= timings[best] * (1.0 + self.tie)]
+            family = best.split(":", 1)[0]
+            tied = [name for name in timings if timings[name] <= timings[best] * (1.0 + self.tie)
+                    or (name.split(":", 1)[0] == family and timings[name] <= timings[best] * (1.0 + self.backend_tie))]
             if len(tied) > 1:
                 gpu = {}
                 for name in tied:
@@ -217,7 +227,8 @@ class Dispatcher:
                     except Exception as err:  # it ran above: keep its sustained time, skip the tie-break
                         log.info("LowBit kernel candidate %s: no GPU time for %s (%s)", name, text, err)
                 if gpu:
-                    best = min(gpu, key=gpu.get)
+                    least = min(gpu.values())  # GPU-tied with the least: the least sustained time of those
+                    best = min((name for name in gpu if gpu[name] <= least * (1.0 + self.gpu_tie)), key=timings.get)
                     self.gpu_timings_us[text] = {k: round(v, 2) for k, v in gpu.items()}
                     best = self._least_host_time(text, candidates, gpu, best)
             if text in self.decisions:  # a changed decision: plans built on the old one must go

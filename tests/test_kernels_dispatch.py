@@ -97,9 +97,9 @@ def test_a_gpu_tie_across_backends_goes_to_the_least_host_time(monkeypatch, tmp_
     assert data["host_timings_us"] == {KEY.as_str(): {"kitchen": 90.0, "triton:b": 25.0}}
     assert Dispatcher(cache_path=d.cache_path).host_timings_us == data["host_timings_us"]
 
-    hosted.clear()  # one backend alone within the GPU tie: its least GPU time, nothing host-timed
-    d = _measuring(monkeypatch, {"triton:a": 31.0, "triton:b": 31.5, "kitchen": 30.0})
-    _gpu_timing(monkeypatch, {"triton:a": 10.4, "triton:b": 10.2, "kitchen": 20.0})
+    hosted.clear()  # one backend alone within the GPU tie: its least sustained time there, nothing host-timed
+    d = _measuring(monkeypatch, {"triton:a": 31.5, "triton:b": 31.0, "kitchen": 30.0})
+    _gpu_timing(monkeypatch, {"triton:a": 10.2, "triton:b": 10.4, "kitchen": 20.0})
     assert d.choose(KEY, {n: (lambda n=n: n) for n in names[:3]}, torch.device("cpu")) == "triton:b" and not hosted
 
     def no_host_time(fn, repeats):
@@ -114,6 +114,34 @@ def test_a_gpu_tie_across_backends_goes_to_the_least_host_time(monkeypatch, tmp_
     monkeypatch.setattr(dispatch, "_host_time_us", fake_host_time)
     d.gpu_tie = 0.0  # switched off: the least GPU time, as before
     assert d.choose(KEY, {n: (lambda n=n: n) for n in names[:2]}, torch.device("cpu")) == "kitchen"
+
+
+def test_the_fastest_backends_configs_are_gpu_timed_within_the_wider_tie(monkeypatch):
+    """A host-bound call's sustained times of one backend's configs can spread by noise: those within
+    ``backend_tie`` (25 %) of the fastest are GPU-timed too, another backend's only within ``tie``."""
+    timings = {"triton:lucky": 30.0, "triton:b": 36.0, "triton:far": 40.0, "kitchen": 36.0}
+    d = _measuring(monkeypatch, timings)
+    asked = _gpu_timing(monkeypatch, {"triton:lucky": 20.0, "triton:b": 10.0, "triton:far": 1.0, "kitchen": 1.0})
+    names = {n: (lambda n=n: n) for n in timings}
+    assert d.choose(KEY, names, torch.device("cpu")) == "triton:b"
+    assert sorted(asked) == ["triton:b", "triton:lucky"]  # far: 33 % slower; kitchen: another backend, 20 %
+    d = _measuring(monkeypatch, timings)
+    asked = _gpu_timing(monkeypatch, {"triton:lucky": 20.0, "triton:b": 10.0})
+    d.backend_tie = 0.0  # switched off: no tie at all, the sustained fastest
+    assert d.choose(KEY, names, torch.device("cpu")) == "triton:lucky" and asked == []
+
+
+def test_gpu_tied_configs_go_to_the_least_sustained_time(monkeypatch):
+    """Within ``gpu_tie`` (5 %) of the least GPU time, the least sustained time wins (a config 1 % faster on
+    the GPU but slower to launch loses); a config more than 5 % faster on the GPU still wins."""
+    d = _measuring(monkeypatch, {"triton:plain": 58.0, "triton:tma": 66.0})
+    _gpu_timing(monkeypatch, {"triton:plain": 14.1, "triton:tma": 13.9})
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in ("triton:plain", "triton:tma")}, torch.device("cpu")) \
+        == "triton:plain"
+    d = _measuring(monkeypatch, {"triton:plain": 58.0, "triton:tma": 66.0})
+    _gpu_timing(monkeypatch, {"triton:plain": 14.1, "triton:tma": 12.0})
+    assert d.choose(KEY, {n: (lambda n=n: n) for n in ("triton:plain", "triton:tma")}, torch.device("cpu")) \
+        == "triton:tma"
 
 
 def test_no_tie_no_gpu_timing_and_a_failed_gpu_timing_keeps_the_sustained_choice(monkeypatch):
