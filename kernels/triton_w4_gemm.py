@@ -232,7 +232,8 @@ def _w4a8_mm_kernel(
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, 0, K // BLOCK_K,
-                           stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N, BLOCK_K)
+                           stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
             _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                       HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
     else:
@@ -301,8 +302,10 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
     splits, per_split = _splits(config, k)
-    ws, locks = (split_k_workspace(a.device, tiles * splits * config.block_m * config.block_n, tiles)
-                 if splits > 1 else (a, a))
+    held = split_k_workspace(a.device, tiles * splits * config.block_m * config.block_n, tiles) if splits > 1 else None
+    if held is None:  # no split, or no workspace inside a CUDA-graph capture: one program a tile
+        splits, per_split, held = 1, 0, (a, a)
+    ws, locks = held
     grid = (programs, splits)
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
                                    use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,

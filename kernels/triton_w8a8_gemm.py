@@ -315,10 +315,8 @@ def _split_plan(a: torch.Tensor, config: GemmConfig, tiles: int, k: int) -> tupl
     k_tiles = -(-k // config.block_k)
     per_split = -(-k_tiles // config.split_k)
     splits = -(-k_tiles // per_split)  # no empty share
-    if splits == 1:
-        return 1, 0, a, a
-    ws, locks = split_k_workspace(a.device, tiles * splits * config.block_m * config.block_n, tiles)
-    return splits, per_split, ws, locks
+    held = split_k_workspace(a.device, tiles * splits * config.block_m * config.block_n, tiles) if splits > 1 else None
+    return (splits, per_split, *held) if held is not None else (1, 0, a, a)
 
 
 # device -> (workspace, locks): the split-K scratch, grown when a launch needs more and never freed (a CUDA
@@ -329,13 +327,17 @@ _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-def split_k_workspace(device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_k_workspace(device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The int32 split-K workspace (at least ``elements``) and lock counters (at least ``tiles``, all zero
     between launches: each launch's last share puts its tile's back), both kept for later launches and
-    marked as replayable constants (their contents between launches never change)."""
+    marked as replayable constants (their contents between launches never change). ``None`` where they
+    would have to be allocated during a CUDA-graph capture (the zeroing would only run when the graph is
+    replayed): the caller then runs the config without splitting K."""
     held = _workspaces.get(device)
     if held is not None and held[0].numel() >= elements and held[1].numel() >= tiles:
         return held
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
     if held is not None:
         _retired.append(held)
         elements, tiles = max(elements, held[0].numel()), max(tiles, held[1].numel())

@@ -162,6 +162,18 @@ def test_split_k_workspace_is_kept_and_its_locks_left_at_zero(monkeypatch):
     assert gemm._retired == [(ws, locks)] and gemm._workspaces[torch.device("cpu")][0].numel() == ws.numel() + 1
 
 
+def test_no_split_k_workspace_is_made_during_a_cuda_graph_capture(monkeypatch):
+    """Allocated inside a capture, the locks' zeroing would only run at the graph's replay: none is made
+    there (the launch then runs its config without splitting K); one made before is used."""
+    from lowbit.kernels import triton_w8a8_gemm as gemm
+
+    monkeypatch.setattr(gemm, "_workspaces", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert gemm.split_k_workspace(torch.device("cuda", 0), 64, 4) is None and not gemm._workspaces
+    held = gemm.split_k_workspace(torch.device("cpu"), 64, 4)
+    assert held is not None and gemm.split_k_workspace(torch.device("cpu"), 32, 2) is held
+
+
 def test_split_k_refuses_fp8_and_is_offered_for_int8_at_small_m_only():
     a = randn(16, 64, seed=28, scale=40).clamp(-448, 448).to(FP8)
     with pytest.raises(ValueError, match="INT8 products exactly"):
