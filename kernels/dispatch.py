@@ -402,7 +402,8 @@ def fast_plan(fast_key: tuple):
 
 def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
         make: Callable[[str], Callable[[], torch.Tensor]], reasons: Callable[[], Mapping[str, str]],
-        fast_key: tuple | None = None, make_fast: Callable[[str], Callable | None] | None = None) -> torch.Tensor:
+        fast_key: tuple | None = None, make_fast: Callable[[str], Callable | None] | None = None,
+        fast_args: tuple | None = None) -> torch.Tensor:
     """Run the chosen implementation of a linear of ``x2d`` ``[M, K]`` → ``[M, n]``.
 
     ``names()`` lists the candidates that can run here, in default order (the first is used when
@@ -410,7 +411,10 @@ def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
     why absent backends were left out (for the error when a forced backend cannot run).
     ``make_fast(name)``, when given, builds the steady-state plan of the chosen candidate, which is
     registered under ``fast_key`` for :func:`run_fast` once the choice is settled (a recorded
-    decision, or a device on which nothing is measured).
+    decision, or a device on which nothing is measured). With ``fast_args`` too (the arguments
+    :func:`run_fast` passes such a plan), a measurement times each candidate through its steady-state plan
+    (``plan(*fast_args)``: after the warm-up calls, launch replays), so a host-bound call is weighed at what
+    it costs a model's later steps, not at its first call's full path.
     """
     forced = active_backend()
     key = DispatchKey(key_fmt, capability(x2d.device), m_bucket(x2d.shape[0]), n, x2d.shape[1])
@@ -438,11 +442,22 @@ def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],
         if len(available) == 1 or not dispatcher._can_measure(x2d.device):
             return make(available[0])()
         return make(_choose_uncached(dispatcher, key, available, make, x2d.device))()
-    name = dispatcher.choose(key, {name: make(name) for name in available}, x2d.device)
+    name = dispatcher.choose(key, {name: _timed_call(name, make, make_fast, fast_args) for name in available},
+                             x2d.device)
     out = make(name)()
     _register_fast(dispatcher, key, x2d.device, fast_key, make_fast, name)
     dispatcher.last_choice = (key.as_str(), name)
     return out
+
+
+def _timed_call(name: str, make: Callable[[str], Callable[[], torch.Tensor]],
+                make_fast: Callable[[str], Callable | None] | None, fast_args: tuple | None) -> Callable[[], torch.Tensor]:
+    """The call the dispatcher times for candidate ``name``: its steady-state plan on ``fast_args`` where the
+    caller offers both, else its full path."""
+    plan = make_fast(name) if make_fast is not None and fast_args is not None else None
+    if plan is None:
+        return make(name)
+    return lambda: plan(*fast_args)
 
 
 def _register_fast(dispatcher: Dispatcher, key: DispatchKey, device: torch.device, fast_key: tuple | None,

@@ -68,7 +68,8 @@ def w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscales: torch.Tensor, b
         x2d, n = _check(x, qweight, convrot_groupsize, "w4a4")
         plan = _W4Plan(x2d, qweight, wscales.reshape(-1).float(), bias, out_dtype, convrot_groupsize,
                        qmax=INT4_MAX if act_bits == 4 else INT8_MAX)
-        out = dispatch.run(fmt, x2d, n, plan.names, plan.make, plan.reasons, key, plan.make_fast)
+        out = dispatch.run(fmt, x2d, n, plan.names, plan.make, plan.reasons, key, plan.make_fast,
+                           (x2d, qweight, wscales, bias, None, None, None))
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], qweight.shape[0])
 
 
@@ -89,7 +90,8 @@ def w4a8_linear(x: torch.Tensor, qdata: torch.Tensor, s_rel: torch.Tensor, s_cha
                              f"{group_size}, found {tuple(s_rel.shape)}")
         plan = _W4Plan(x2d, qdata, s_channel.reshape(-1).float(), bias, out_dtype, convrot_groupsize, qmax=INT8_MAX,
                        s_rel=s_rel, codebook=codebook, correction=correction, group_size=group_size)
-        out = dispatch.run("w4a8", x2d, n, plan.names, plan.make, plan.reasons, key, plan.make_fast)
+        out = dispatch.run("w4a8", x2d, n, plan.names, plan.make, plan.reasons, key, plan.make_fast,
+                           (x2d, qdata, s_channel, bias, s_rel, codebook, correction))
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], qdata.shape[0])
 
 

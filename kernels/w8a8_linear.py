@@ -146,7 +146,9 @@ def w8a8_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     key = fmt + (f"+{pre.key()}" if pre.key() else "")
     make_fast = None if fast_key is None else (
         lambda name: _fast_plan(name, x2d, weight_scale, out_dtype, pre, fp8))
-    return dispatch.run(key, x2d, n, plan.names, plan.make, plan.reasons, fast_key, make_fast)
+    fast_args = ((x2d, weight, weight_scale, bias, pre.outlier_index) if pre.outliers else
+                 (x2d, weight, weight_scale, bias, pre.smooth, pre.center_rowsum))
+    return dispatch.run(key, x2d, n, plan.names, plan.make, plan.reasons, fast_key, make_fast, fast_args)
 
 
 def _fast_plan(name: str, x2d: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype, pre: Preprocess,

@@ -170,6 +170,37 @@ def test_choose_measures_and_remembers(monkeypatch, tmp_path):
     assert again.choose(KEY, {"a": lambda: "a", "b": lambda: "b"}, torch.device("cpu")) == "b"
 
 
+def test_a_measurement_times_each_candidate_through_its_steady_state_plan(monkeypatch):
+    """With the plan arguments given, ``dispatch.run`` times each candidate's steady-state plan on them (what
+    a model's later steps run, launch replays included), not its full path; without them, the full path."""
+    timed = []
+    d = Dispatcher(repeats=1, warmup=0, measure=True)
+    monkeypatch.setattr(Dispatcher, "_can_measure", lambda self, device: True)
+
+    def fake_time(fn, warmup, repeats):
+        out = fn()
+        timed.append(out)
+        return {"plan a": 20.0, "plan b": 10.0, "full a": 5.0, "full b": 50.0}[out]
+    monkeypatch.setattr(dispatch, "_time_us", fake_time)
+    x = torch.zeros(256, 64)
+
+    def make(name):
+        return lambda: f"full {name}"
+
+    def make_fast(name):
+        return lambda tag, x: f"plan {name}" if tag == "args" and x.shape == (256, 64) else "wrong"
+
+    with use_dispatcher(d):
+        out = dispatch.run("int8", x, 32, lambda: ["a", "b"], make, dict, ("key",), make_fast, ("args", x))
+    assert sorted(timed) == ["plan a", "plan b"] and d.decisions["int8|sm00|m256|n32|k64"] == "b"
+    assert out == "full b"  # this call itself: the chosen candidate's full path (its plan is registered)
+    d = Dispatcher(repeats=1, warmup=0, measure=True)
+    timed.clear()
+    with use_dispatcher(d):
+        dispatch.run("int8", x, 32, lambda: ["a", "b"], make, dict, ("key",), make_fast)
+    assert sorted(timed) == ["full a", "full b"] and d.decisions["int8|sm00|m256|n32|k64"] == "a"
+
+
 def test_failing_candidates_are_recorded_not_raised(monkeypatch):
     d = _measuring(monkeypatch, {"ok": 5.0})
 
