@@ -69,7 +69,9 @@ from .backend import Backend, BackendUnavailableError, active_backend, capabilit
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+# 2 (session 12): candidates are timed through their steady-state plans, and split-K configs are offered at
+# M <= 512; decisions made the old way are measured again once.
+CACHE_VERSION = 2
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _RESOURCE_ERRORS = ("OutOfResources", "out of resource")  # the configuration can never run on this GPU
 
