@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+
+    if not torch.cuda.is_available():
+        print("sweep_small_m_gemm: needs a CUDA GPU (it times CUDA graphs)", file=sys.stderr)
+        return 2
     import triton.testing
 
     from lowbit.kernels.backend import capability
