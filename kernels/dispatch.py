@@ -3,7 +3,8 @@
 A linear call offers its candidates – our Triton kernels (one per tile config), comfy-kitchen's
 op, ``torch._int_mm``/``torch._scaled_mm``, dequantize + float matmul, the eager reference – as
 named zero-argument callables. The first time a key is seen on a CUDA device every candidate is
-timed on the call's real inputs (CUDA events, median of a few runs) and the winner is remembered;
+timed on the call's real inputs (CUDA events, median of a few runs; through the candidate's steady-state
+plan where the linear offers one, as the model's later steps run it) and the winner is remembered;
 candidates within ``Dispatcher.tie`` of the fastest are then told apart by their GPU time alone
 (below); decisions are written to a JSON file whose path the caller passes in (the ComfyUI node layer
 passes ComfyUI's user directory), so later runs start with them. Candidates that fail record their
