@@ -55,7 +55,7 @@ import triton.language as tl
 from .backend import capability, interpreting
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
-from .triton_w8a8_gemm import _sm_count, _split_k_total, split_k_workspace
+from .triton_w8a8_gemm import _sm_count, _split_k_total, split_k_shares
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +301,7 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_w else packed
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
-    splits, per_split = _splits(config, k)
-    held = split_k_workspace(a.device, tiles * splits * config.block_m * config.block_n, tiles) if splits > 1 else None
-    if held is None:  # no split, or no workspace inside a CUDA-graph capture: one program a tile
-        splits, per_split, held = 1, 0, (a, a)
-    ws, locks = held
+    splits, per_split, ws, locks = split_k_shares(a, config, tiles, k // config.block_k)
     grid = (programs, splits)
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
                                    use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,
@@ -322,17 +318,6 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
         constexprs["USE_PTX"] = bool(verdict)  # inside a graph capture, before any check: the gathers, this once
     _LAUNCHER.launch(grid, args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
-
-
-def _splits(config: GemmConfig, k: int) -> tuple[int, int]:
-    """``(splits, K tiles per split)``: how a ``split_k`` config shares out K's tiles (no empty share;
-    ``(1, 0)`` where there is only one tile or the config does not split)."""
-    if config.split_k == 1 or config.persistent:
-        return 1, 0
-    k_tiles = k // config.block_k
-    per_split = -(-k_tiles // config.split_k)
-    splits = -(-k_tiles // per_split)
-    return (splits, per_split) if splits > 1 else (1, 0)
 
 
 # The codebook's PTX decode assumes that the 4 bytes Triton hands one inline-assembly instance are

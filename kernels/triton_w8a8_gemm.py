@@ -305,16 +305,22 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
 
 
 def _split_plan(a: torch.Tensor, config: GemmConfig, tiles: int, k: int) -> tuple:
-    """``(splits, K tiles per split, workspace, locks)`` for a launch of ``config``: ``splits`` is 1 (and the
-    workspace a placeholder) unless the config splits K and K has more than one tile to share out."""
-    if config.split_k == 1:
-        return 1, 0, a, a
-    if a.dtype != torch.int8:
+    """:func:`split_k_shares` for an INT8 or FP8 GEMM (FP8 codes refused: their sums depend on the order)."""
+    if config.split_k > 1 and a.dtype != torch.int8:
         raise ValueError(f"split-K config {config.name} sums INT8 products exactly in int32; FP8 codes ({a.dtype}) "
                          f"take a config without -k")
-    k_tiles = -(-k // config.block_k)
+    return split_k_shares(a, config, tiles, -(-k // config.block_k))
+
+
+def split_k_shares(a: torch.Tensor, config: GemmConfig, tiles: int, k_tiles: int) -> tuple:
+    """``(splits, K tiles per split, workspace, locks)`` for a launch of ``config`` over ``tiles`` output tiles
+    and ``k_tiles`` K tiles: ``splits`` is 1 (and the workspace and locks placeholders, ``a``) unless the config
+    splits K (not persistent), K has more than one tile to share out, and a workspace is at hand (none is
+    made inside a CUDA-graph capture). No share is empty."""
+    if config.split_k == 1 or config.persistent:
+        return 1, 0, a, a
     per_split = -(-k_tiles // config.split_k)
-    splits = -(-k_tiles // per_split)  # no empty share
+    splits = -(-k_tiles // per_split)
     held = split_k_workspace(a.device, tiles * splits * config.block_m * config.block_n, tiles) if splits > 1 else None
     return (splits, per_split, *held) if held is not None else (1, 0, a, a)
 
