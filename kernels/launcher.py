@@ -376,12 +376,23 @@ class LaunchReplay:
             return None
 
 
-def _compile_replay(replay: LaunchReplay):
+def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None):
     """``fn(inputs, stream)``: the replay as one generated function – the input checks, the allocations and
     the launches written out with every constant bound by name (a loop over the recorded argument specs
     costs several microseconds a call; this is the same work without the interpretation). Returns the
-    outputs, or ``None`` where an input differs from the recording."""
-    names: dict[str, object] = {"empty": torch.empty, "DEVICE": replay.device}
+    outputs, or ``None`` where an input differs from the recording.
+
+    ``raw_pointers`` (default: on a CUDA device) passes each tensor argument as its address, an int. Triton's
+    C launcher takes an int as the pointer itself; given a tensor it calls the tensor's ``data_ptr`` and asks
+    the driver whether that address is device memory (``cuPointerGetAttribute``), about a microsecond a
+    tensor on an H200's host, and a dtype view made for an argument costs another. The replay checks instead
+    that every input is on the recorded device (``get_device``), and keeps every constant it passes by address
+    alive with it. ``LOWBIT_REPLAY_RAW_POINTERS=0`` passes the tensors themselves."""
+    if raw_pointers is None:
+        raw_pointers = replay.device_index >= 0 and os.environ.get("LOWBIT_REPLAY_RAW_POINTERS", "1") not in (
+            "0", "false", "off", "")
+    raw = raw_pointers
+    names: dict[str, object] = {"empty": torch.empty, "DEVICE": replay.device, "DEV": replay.device_index}
     lines = ["def replay(inputs, stream):",
              f"    if len(inputs) != {len(replay.signatures)}:",
              "        return None",
@@ -393,23 +404,36 @@ def _compile_replay(replay: LaunchReplay):
         dtype, shape, stride, aligned = sig
         names.update({f"D{j}": dtype, f"SH{j}": shape, f"ST{j}": stride})
         lines.append(f"    if i{j} is None or i{j}.dtype is not D{j} or i{j}.shape != SH{j} or i{j}.stride() != ST{j}"
-                     f" or (i{j}.data_ptr() % 16 {'!=' if aligned else '=='} 0): return None")
+                     + (" or i{j}.get_device() != DEV: return None".format(j=j) if raw else ": return None"))
+        lines.append(f"    p{j} = i{j}.data_ptr()")
+        lines.append(f"    if p{j} % 16 {'!=' if aligned else '=='} 0: return None")
     n_in = len(replay.signatures)
     for j, (shape, dtype) in enumerate(replay.allocs):
         names.update({f"OS{j}": shape, f"OD{j}": dtype})
         lines.append(f"    o{j} = empty(OS{j}, dtype=OD{j}, device=DEVICE)")
+        if raw:
+            lines.append(f"    q{j} = o{j}.data_ptr()")
 
     def role(index: int) -> str:
         return f"i{index}" if index < n_in else f"o{index - n_in}"
+
+    def address(index: int) -> str:
+        return f"p{index}" if index < n_in else f"q{index - n_in}"
     for s, (run, function, packed, g0, g1, g2, spec, tail) in enumerate(replay.steps):
         names.update({f"R{s}": run, f"F{s}": function, f"P{s}": packed})
         args = [f"{g0}, {g1}, {g2}, stream, F{s}, P{s}, None, None, None"]
         for a, (kind, value, extra) in enumerate(spec):
             if kind == 0:
-                names[f"K{s}_{a}"] = value
+                if raw and isinstance(value, torch.Tensor):
+                    names[f"KEEP{s}_{a}"] = value  # the address stays valid while the replay lives
+                    names[f"K{s}_{a}"] = value.data_ptr()
+                else:
+                    names[f"K{s}_{a}"] = value
                 args.append(f"K{s}_{a}")
             elif kind == 1:
-                if extra is None:
+                if raw:  # a same-size dtype view has the tensor's own address
+                    args.append(address(value))
+                elif extra is None:
                     args.append(role(value))
                 else:
                     names[f"V{s}_{a}"] = extra

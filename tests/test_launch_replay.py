@@ -243,3 +243,97 @@ def test_a_profiler_hook_takes_the_ordinary_path(interpreted, monkeypatch):
     monkeypatch.setattr(launcher, "_hooks", [Chain(), Chain()])
     w = _weights()
     assert replay.replay((_inputs("tensor", 19, 3), w["weight"], w["scale"], w["bias"], None, None)) is None
+
+
+class Addresses:
+    """The tensors a raw-pointer replay may name by address, found again from the address."""
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+        self.raw_args = 0  # ints the stand-in kernels turned back into tensors
+
+    def add(self, *tensors):
+        self.tensors.extend(t for t in tensors if isinstance(t, torch.Tensor))
+
+    def tensor(self, address: int, like: torch.dtype) -> torch.Tensor:
+        if address == 0:  # an empty tensor's address: a null pointer, never read
+            return torch.zeros(0, dtype=like)
+        constants = [ref() for ref in launcher._constants.values()]
+        for t in [*self.tensors, *constants]:
+            if t is not None and t.numel() and t.data_ptr() == address and t.element_size() == like.itemsize:
+                return t if t.dtype == like else t.view(like)
+        raise AssertionError(f"no known tensor at address {address:#x}")
+
+
+@pytest.fixture
+def raw_interpreted(monkeypatch):
+    """Like ``interpreted``, and the stand-in compiled kernels also take a tensor argument as its address (an int),
+    as a replay on a CUDA device passes it: each int is mapped back to the known tensor at that address, viewed as
+    the dtype that argument had in the launch that compiled the stand-in. The replay's allocations are known too."""
+    addresses = Addresses()
+
+    def remember(self, key, compiled, constexprs):
+        names = list(constexprs)
+        dtypes: dict[int, torch.dtype] = {}
+
+        def run(gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
+            runtime, values = list(args[:len(args) - len(names)]), args[len(args) - len(names):]
+            for i, a in enumerate(runtime):
+                if isinstance(a, torch.Tensor):
+                    dtypes[i] = a.dtype
+                elif type(a) is int and i in dtypes:
+                    runtime[i] = addresses.tensor(a, dtypes[i])
+                    addresses.raw_args += 1
+            self.kernel[(gx, gy, gz)](*runtime, **dict(zip(names, values)))
+
+        self._compiled[key] = (run, None, None)
+
+    monkeypatch.setattr(TritonLauncher, "_remember", remember)
+    for each in list(launcher._ALL):
+        monkeypatch.setattr(each, "disabled_reason", None)
+        monkeypatch.setattr(each, "_compiled", {})
+    monkeypatch.setattr(launcher, "_replay_failure", [None])
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        addresses.add(t)
+        return t
+    monkeypatch.setattr(torch, "empty", empty)
+    return addresses
+
+
+@pytest.mark.parametrize("kind", ["tensor", "norm"])
+@pytest.mark.parametrize("name", ["int8-pointer", "convrot-tma-persistent-sub", "hadanorm-split-k-tma"])
+def test_a_replay_passing_addresses_gives_the_ordinary_bits(name, kind, raw_interpreted):
+    """On a CUDA device a replay passes every tensor argument as its address (``_compile_replay``'s
+    ``raw_pointers``): the same kernels get the same memory, so the same bits."""
+    plan, call = _w8a8(name)
+    for seed in (1, 2):
+        call(_inputs(kind, 19, seed))
+    (_, replay), = plan.replays.entries.items()
+    assert isinstance(replay, LaunchReplay)
+    replay.fn = launcher._compile_replay(replay, raw_pointers=True)  # as a CUDA device's replay is made
+    x = _inputs(kind, 19, 3)
+    weights = call.__defaults__[0]  # the plan's weights (``_w8a8``)
+    raw_interpreted.add(x, *(getattr(x, f, None) for f in ("x", "mult", "shift", "a", "b")), *weights.values())
+    replayed = call(x)
+    assert raw_interpreted.raw_args >= 6, "the replay passed its tensors by address"
+    assert torch.equal(replayed, _ordinary(plan, x, call))
+
+
+def test_a_replay_passing_addresses_refuses_a_tensor_on_another_device(raw_interpreted):
+    """Given an address, Triton's launcher no longer checks that it is device memory: the replay checks each
+    input's device itself (here a replay recorded "on CUDA device 0" is handed CPU tensors)."""
+    plan, call = _w8a8("int8-pointer")
+    for seed in (1, 2):
+        call(_inputs("tensor", 19, seed))
+    (_, replay), = plan.replays.entries.items()
+    w = call.__defaults__[0]
+    inputs = (_inputs("tensor", 19, 3), w["weight"], w["scale"], w["bias"], None, None)
+    raw_interpreted.add(*inputs)
+    on_cpu = launcher._compile_replay(replay, raw_pointers=True)
+    assert on_cpu(inputs, 0) is not None  # recorded on the CPU, given CPU tensors
+    on_gpu = launcher._compile_replay(LaunchReplay(0, replay.device, replay.signatures, replay.allocs, replay.steps),
+                                      raw_pointers=True)
+    assert on_gpu(inputs, 0) is None
