@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import weakref
@@ -302,7 +303,8 @@ class LaunchReplay:
 
     :meth:`build` takes the launches of one call (:func:`capture_launches`), the tensors the call was
     given (``inputs``, a fixed order, ``None`` allowed) and the tensors it allocated with ``torch.empty``
-    (``outputs``: results and scratch, a fixed order). Each tensor argument of each launch must be one of
+    (``outputs``: results and scratch, a fixed order; the first ``scratch`` of them only the call's own launches
+    use, so a replay may hand back ``None`` in their place, see :func:`_compile_replay`). Each tensor argument of each launch must be one of
     those (or a view of one as another dtype of the same size), or a :func:`constant_tensor`; each
     TMA descriptor must describe one of those; each launch must have a compiled kernel in its
     launcher's fast path. Otherwise there is no replay (``None``): the caller keeps its ordinary path.
@@ -314,16 +316,17 @@ class LaunchReplay:
     current device. A replay that raises switches replays off everywhere (logged once).
     """
 
-    __slots__ = ("device_index", "device", "signatures", "allocs", "steps", "fn")
+    __slots__ = ("device_index", "device", "signatures", "allocs", "steps", "scratch", "fn")
 
-    def __init__(self, device_index, device, signatures, allocs, steps):
+    def __init__(self, device_index, device, signatures, allocs, steps, scratch=0):
         self.device_index, self.device = device_index, device
         self.signatures, self.allocs, self.steps = signatures, allocs, steps
+        self.scratch = scratch  # how many leading outputs only the call's own launches use
         self.fn = None  # the generated replay (_compile_replay), made on the first replay
 
     @classmethod
     def build(cls, launches: Sequence[tuple], inputs: Sequence[torch.Tensor | None],
-              outputs: Sequence[torch.Tensor]) -> "LaunchReplay | None":
+              outputs: Sequence[torch.Tensor], scratch: int = 0) -> "LaunchReplay | None":
         if not launches or not replays_enabled():
             return None
         roles = [*inputs, *outputs]
@@ -357,7 +360,7 @@ class LaunchReplay:
         signatures = tuple(None if t is None else (t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16 == 0)
                            for t in inputs)
         allocs = tuple((tuple(t.shape), t.dtype) for t in outputs)
-        return cls(device_index, device, signatures, allocs, tuple(steps))
+        return cls(device_index, device, signatures, allocs, tuple(steps), min(scratch, len(allocs)))
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
         if _replay_failure[0] is not None or _replays_paused[0] or (_hooks[0] and (_hooks[0].calls or _hooks[1].calls)):
@@ -376,7 +379,7 @@ class LaunchReplay:
             return None
 
 
-def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None):
+def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None, pool: bool | None = None):
     """``fn(inputs, stream)``: the replay as one generated function – the input checks, the allocations and
     the launches written out with every constant bound by name (a loop over the recorded argument specs
     costs several microseconds a call; this is the same work without the interpretation). Returns the
@@ -387,11 +390,35 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None):
     the driver whether that address is device memory (``cuPointerGetAttribute``), about a microsecond a
     tensor on an H200's host, and a dtype view made for an argument costs another. The replay checks instead
     that every input is on the recorded device (``get_device``), and keeps every constant it passes by address
-    alive with it. ``LOWBIT_REPLAY_RAW_POINTERS=0`` passes the tensors themselves."""
+    alive with it. ``LOWBIT_REPLAY_RAW_POINTERS=0`` passes the tensors themselves.
+
+    ``pool`` (default: with ``raw_pointers``) carves the replay's scratch outputs (``replay.scratch``, tensors
+    only its own launches use: activation codes and scales, an expanded weight) out of one allocation, each at
+    a 512-byte aligned offset, and passes their addresses: one ``torch.empty`` a call instead of one per
+    scratch tensor (3-6 µs each on an H200's host). A TMA descriptor over a scratch tensor gets its address as
+    its base. The buffer is released when the replay returns, like the scratch tensors it replaces: the
+    caching allocator hands the memory out again only to work queued after these launches on the same
+    stream. The replay returns ``None`` in the scratch outputs' places."""
     if raw_pointers is None:
         raw_pointers = replay.device_index >= 0 and os.environ.get("LOWBIT_REPLAY_RAW_POINTERS", "1") not in (
             "0", "false", "off", "")
     raw = raw_pointers
+    n_in = len(replay.signatures)
+    pooled: dict[int, int] = {}  # scratch output -> byte offset in the pool
+    if raw and (pool is None or pool):
+        described: dict[int, list] = {}  # output -> the descriptor makers over it
+        for *_, spec, _tail in replay.steps:
+            for kind, value, extra in spec:
+                if kind == 2 and value >= n_in:
+                    described.setdefault(value - n_in, []).append(extra)
+        offset = 0
+        for j in range(replay.scratch):
+            if any(getattr(m, "from_address", None) is None for m in described.get(j, ())):
+                continue  # a descriptor that needs the tensor itself
+            shape, dtype = replay.allocs[j]
+            pooled[j] = offset
+            offset += -(-math.prod(shape) * dtype.itemsize // _POOL_ALIGN) * _POOL_ALIGN
+        pool_bytes = offset
     names: dict[str, object] = {"empty": torch.empty, "DEVICE": replay.device, "DEV": replay.device_index}
     lines = ["def replay(inputs, stream):",
              f"    if len(inputs) != {len(replay.signatures)}:",
@@ -407,8 +434,15 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None):
                      + (" or i{j}.get_device() != DEV: return None".format(j=j) if raw else ": return None"))
         lines.append(f"    p{j} = i{j}.data_ptr()")
         lines.append(f"    if p{j} % 16 {'!=' if aligned else '=='} 0: return None")
-    n_in = len(replay.signatures)
+    if pooled:
+        names["POOL"] = (pool_bytes,)
+        lines.append("    pool = empty(POOL, dtype=UINT8, device=DEVICE)")
+        lines.append("    base = pool.data_ptr()")
+        names["UINT8"] = torch.uint8
     for j, (shape, dtype) in enumerate(replay.allocs):
+        if j in pooled:
+            lines.append(f"    q{j} = base + {pooled[j]}")
+            continue
         names.update({f"OS{j}": shape, f"OD{j}": dtype})
         lines.append(f"    o{j} = empty(OS{j}, dtype=OD{j}, device=DEVICE)")
         if raw:
@@ -438,6 +472,9 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None):
                 else:
                     names[f"V{s}_{a}"] = extra
                     args.append(f"{role(value)}.view(V{s}_{a})")
+            elif value - n_in in pooled:
+                names[f"M{s}_{a}"] = extra.from_address
+                args.append(f"M{s}_{a}({address(value)})")
             else:
                 names[f"M{s}_{a}"] = extra
                 args.append(f"M{s}_{a}({role(value)})")
@@ -445,7 +482,7 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None):
             names[f"T{s}_{c}"] = value
             args.append(f"T{s}_{c}")
         lines.append(f"    R{s}({', '.join(args)})")
-    lines.append(f"    return [{''.join(f'o{j}, ' for j in range(len(replay.allocs)))}]")
+    lines.append(f"    return [{''.join('None, ' if j in pooled else f'o{j}, ' for j in range(len(replay.allocs)))}]")
     exec(compile("\n".join(lines), f"<LowBit launch replay {id(replay):x}>", "exec"), names)
     return names["replay"]
 
@@ -466,7 +503,28 @@ def _descriptor_maker(desc, dtype: torch.dtype | None):
         new.base, new.shape, new.strides, new.block_shape = t if dtype is None else t.view(dtype), shape, strides, \
             block_shape
         return new
+
+    def from_address(address: int):  # Triton's launcher reads only the base's ``data_ptr()``
+        new = cls.__new__(cls)
+        new.base, new.shape, new.strides, new.block_shape = _Address(address), shape, strides, block_shape
+        return new
+    make.from_address = from_address
     return make
+
+
+class _Address:
+    """The base of a TMA descriptor over pooled scratch memory: an address with ``data_ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+_POOL_ALIGN = 512  # the caching allocator's own alignment: every kernel specialization still holds
 
 
 def _role_of(t: torch.Tensor, roles: Sequence[torch.Tensor | None]) -> tuple[int, torch.dtype | None] | None:

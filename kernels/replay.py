@@ -33,7 +33,9 @@ def input_kind(x) -> tuple[tuple, tuple]:
 
 class PlanReplays:
     """Per kind of input: ``run(key, inputs, launch)`` returns ``launch()``'s outputs (the tensors it
-    allocated, in a fixed order), replayed where a recording exists and the inputs match it."""
+    allocated, in a fixed order), replayed where a recording exists and the inputs match it. With
+    ``last_only`` the caller uses only the last output: a replay may return ``None`` for the others (their
+    memory pooled, ``launcher._compile_replay``)."""
 
     __slots__ = ("entries",)
 
@@ -41,7 +43,7 @@ class PlanReplays:
         self.entries: dict = {}
 
     def run(self, key: tuple, inputs: Sequence[torch.Tensor | None],
-            launch: Callable[[], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
+            launch: Callable[[], Sequence[torch.Tensor]], last_only: bool = False) -> Sequence[torch.Tensor | None]:
         entry = self.entries.get(key)
         if entry is None:
             if len(self.entries) >= _MAX_KINDS:
@@ -53,7 +55,8 @@ class PlanReplays:
                 return launch()
             with capture_launches() as launches:
                 outputs = launch()
-            self.entries[key] = LaunchReplay.build(launches, inputs, outputs) or _NONE
+            scratch = len(outputs) - 1 if last_only else 0
+            self.entries[key] = LaunchReplay.build(launches, inputs, outputs, scratch) or _NONE
             return outputs
         if entry is not _NONE:
             outputs = entry.replay(inputs)

@@ -290,7 +290,7 @@ class _TritonPlanBase:
         table = level_table(codebook, packed.device) if s_rel is not None else None
         key, sources = input_kind(x)
         return self.replays.run(key, (*sources, packed, w_scale, bias, s_rel, table),
-                                lambda: self._launch(x, packed, w_scale, bias, s_rel, table))[-1]
+                                lambda: self._launch(x, packed, w_scale, bias, s_rel, table), last_only=True)[-1]
 
 
 class _TritonW4Plan(_TritonPlanBase):

@@ -9,6 +9,8 @@ replays run the very argument lists a GPU would get, TMA descriptors included.
 
 from __future__ import annotations
 
+import math
+
 from kernels_helpers import needs_triton_interpreter, randint8, randn
 
 import pytest
@@ -21,7 +23,7 @@ from lowbit.kernels.launcher import LaunchReplay, TritonLauncher, capture_launch
 from lowbit.kernels.prologue import GeluPrologue, NormModPrologue
 from lowbit.kernels.reference import FP8
 from lowbit.kernels.replay import PlanReplays
-from lowbit.kernels.w4_linear import _ExpandW4Plan, _TritonW4Plan
+from lowbit.kernels.w4_linear import _ExpandW4Plan, _TritonW4Plan, level_table
 from lowbit.kernels.w8a8_linear import _TritonW8A8Plan
 
 pytestmark = needs_triton_interpreter()
@@ -246,11 +248,13 @@ def test_a_profiler_hook_takes_the_ordinary_path(interpreted, monkeypatch):
 
 
 class Addresses:
-    """The tensors a raw-pointer replay may name by address, found again from the address."""
+    """The tensors a raw-pointer replay may name by address, found again from the address (also an address
+    inside one of them: pooled scratch)."""
 
     def __init__(self):
         self.tensors: list[torch.Tensor] = []
-        self.raw_args = 0  # ints the stand-in kernels turned back into tensors
+        self.raw_args = 0  # ints (and address-based descriptors) the stand-in kernels turned back into tensors
+        self.allocations = 0  # torch.empty calls
 
     def add(self, *tensors):
         self.tensors.extend(t for t in tensors if isinstance(t, torch.Tensor))
@@ -258,18 +262,26 @@ class Addresses:
     def tensor(self, address: int, like: torch.dtype) -> torch.Tensor:
         if address == 0:  # an empty tensor's address: a null pointer, never read
             return torch.zeros(0, dtype=like)
-        constants = [ref() for ref in launcher._constants.values()]
-        for t in [*self.tensors, *constants]:
-            if t is not None and t.numel() and t.data_ptr() == address and t.element_size() == like.itemsize:
+        known = [t for t in [*self.tensors, *(ref() for ref in launcher._constants.values())]
+                 if t is not None and t.numel()]
+        for t in known:
+            if t.data_ptr() == address and t.element_size() == like.itemsize:
                 return t if t.dtype == like else t.view(like)
+        for t in known:
+            size = t.numel() * t.element_size()
+            if t.is_contiguous() and t.data_ptr() <= address < t.data_ptr() + size:
+                offset = address - t.data_ptr()
+                rest = (size - offset) // like.itemsize * like.itemsize
+                return t.reshape(-1).view(torch.uint8)[offset:offset + rest].view(like)
         raise AssertionError(f"no known tensor at address {address:#x}")
 
 
 @pytest.fixture
 def raw_interpreted(monkeypatch):
     """Like ``interpreted``, and the stand-in compiled kernels also take a tensor argument as its address (an int),
-    as a replay on a CUDA device passes it: each int is mapped back to the known tensor at that address, viewed as
-    the dtype that argument had in the launch that compiled the stand-in. The replay's allocations are known too."""
+    as a replay on a CUDA device passes it, and a TMA descriptor whose base is an address: each is mapped back to
+    the known tensor at that address, viewed as the dtype that argument had in the launch that compiled the
+    stand-in. The tensors a replay allocates are known too (and counted)."""
     addresses = Addresses()
 
     def remember(self, key, compiled, constexprs):
@@ -279,8 +291,14 @@ def raw_interpreted(monkeypatch):
         def run(gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
             runtime, values = list(args[:len(args) - len(names)]), args[len(args) - len(names):]
             for i, a in enumerate(runtime):
-                if isinstance(a, torch.Tensor):
-                    dtypes[i] = a.dtype
+                base = getattr(a, "base", None)
+                if isinstance(a, torch.Tensor) or isinstance(base, torch.Tensor):
+                    dtypes[i] = a.dtype if isinstance(a, torch.Tensor) else base.dtype
+                elif isinstance(base, launcher._Address):
+                    start = addresses.tensor(base.data_ptr(), dtypes[i])
+                    runtime[i] = type(a).from_tensor(start[:math.prod(a.shape)].view(tuple(a.shape)),
+                                                     list(a.block_shape))
+                    addresses.raw_args += 1
                 elif type(a) is int and i in dtypes:
                     runtime[i] = addresses.tensor(a, dtypes[i])
                     addresses.raw_args += 1
@@ -298,28 +316,74 @@ def raw_interpreted(monkeypatch):
     def empty(*args, **kwargs):
         t = real_empty(*args, **kwargs)
         addresses.add(t)
+        addresses.allocations += 1
         return t
     monkeypatch.setattr(torch, "empty", empty)
     return addresses
 
 
+def _w4(name):
+    cls, config, qmax, codebook = W4[name]
+    plan = cls(config, qmax, 256, 16, torch.bfloat16)
+    w = {"packed": randint8(N, K // 2, seed=7, low=-128),
+         "w_scale": torch.rand(N, generator=torch.Generator().manual_seed(8)) / 64 + 1e-3,
+         "s_rel": (torch.rand(N, K // 16, generator=torch.Generator().manual_seed(9)) * 60 + 4).to(FP8)
+         if codebook else None,
+         "bias": randn(N, seed=10, dtype=torch.bfloat16)}
+
+    def call(x, weights=w):
+        return plan(x, weights["packed"], weights["w_scale"], weights["bias"], weights["s_rel"],
+                    CODEBOOK if codebook else None, None)
+    return plan, call
+
+
+RAW = {  # name: (plan maker, scratch tensors a call allocates besides its output)
+    "int8-pointer": (_w8a8, 2),
+    "convrot-tma-persistent-sub": (_w8a8, 2),  # the codes reach the GEMM through a TMA descriptor
+    "hadanorm-split-k-tma": (_w8a8, 3),  # and the rows' means
+    "w4a8-codebook-tma": (_w4, 2),
+    "w4a8-expand-persistent": (_w4, 3),  # and the expanded weight
+}
+
+
+@pytest.mark.parametrize("pool", [False, True])
 @pytest.mark.parametrize("kind", ["tensor", "norm"])
-@pytest.mark.parametrize("name", ["int8-pointer", "convrot-tma-persistent-sub", "hadanorm-split-k-tma"])
-def test_a_replay_passing_addresses_gives_the_ordinary_bits(name, kind, raw_interpreted):
+@pytest.mark.parametrize("name", list(RAW))
+def test_a_replay_passing_addresses_gives_the_ordinary_bits(name, kind, pool, raw_interpreted):
     """On a CUDA device a replay passes every tensor argument as its address (``_compile_replay``'s
-    ``raw_pointers``): the same kernels get the same memory, so the same bits."""
-    plan, call = _w8a8(name)
+    ``raw_pointers``) and carves its scratch tensors out of one allocation (``pool``): the same kernels read
+    and write the same data, so the same bits, with one ``torch.empty`` for the scratch instead of one each."""
+    maker, scratch = RAW[name]
+    plan, call = maker(name)
     for seed in (1, 2):
         call(_inputs(kind, 19, seed))
     (_, replay), = plan.replays.entries.items()
-    assert isinstance(replay, LaunchReplay)
-    replay.fn = launcher._compile_replay(replay, raw_pointers=True)  # as a CUDA device's replay is made
+    assert isinstance(replay, LaunchReplay) and replay.scratch == scratch
+    replay.fn = launcher._compile_replay(replay, raw_pointers=True, pool=pool)  # as a CUDA device's replay is made
     x = _inputs(kind, 19, 3)
-    weights = call.__defaults__[0]  # the plan's weights (``_w8a8``)
-    raw_interpreted.add(x, *(getattr(x, f, None) for f in ("x", "mult", "shift", "a", "b")), *weights.values())
+    weights = call.__defaults__[0]  # the plan's weights
+    raw_interpreted.add(x, *(getattr(x, f, None) for f in ("x", "mult", "shift", "a", "b")), *weights.values(),
+                        level_table(CODEBOOK, x.device if isinstance(x, torch.Tensor) else x.x.device))
+    before = raw_interpreted.allocations
     replayed = call(x)
+    assert raw_interpreted.allocations - before == (2 if pool else scratch + 1)
     assert raw_interpreted.raw_args >= 6, "the replay passed its tensors by address"
     assert torch.equal(replayed, _ordinary(plan, x, call))
+
+
+def test_a_pooled_replay_hands_back_only_the_result(raw_interpreted):
+    plan, call = _w8a8("hadanorm-split-k-tma")
+    for seed in (1, 2):
+        call(_inputs("tensor", 19, seed))
+    (_, replay), = plan.replays.entries.items()
+    w = call.__defaults__[0]
+    inputs = (_inputs("tensor", 19, 3), w["weight"], w["scale"].reshape(-1).float(), w["bias"], w["smooth"],
+              w["rowsum"].float())
+    raw_interpreted.add(*inputs)
+    outputs = launcher._compile_replay(replay, raw_pointers=True, pool=True)(inputs, 0)
+    assert outputs[:-1] == [None, None, None] and outputs[-1].shape == (19, N)
+    unpooled = launcher._compile_replay(replay, raw_pointers=True, pool=False)(inputs, 0)
+    assert all(isinstance(t, torch.Tensor) for t in unpooled) and torch.equal(unpooled[-1], outputs[-1])
 
 
 def test_a_replay_passing_addresses_refuses_a_tensor_on_another_device(raw_interpreted):

@@ -17,8 +17,9 @@ N = K = 3072, after the dispatcher has settled and the launch replay is recorded
 * ``empty_us``: one ``torch.empty`` of the output's size.
 
 ``raw_pointers`` records ``LOWBIT_REPLAY_RAW_POINTERS`` (``0``: the replays pass tensors, not addresses);
-``call_us_by_raw_pointers`` times the call with the replays passing addresses and passing tensors,
-alternately, ``--rounds`` times each in the same process (the medians, and every round).
+``call_us_by_raw_pointers`` times the call with the replays passing tensors, passing addresses, and passing
+addresses with their scratch tensors carved out of one allocation, alternately, ``--rounds`` times each in
+the same process (the medians, every round, and whether each variant gave the ordinary launches' bits).
 
 Every time is the median of ``--repeats`` rounds of ``--calls`` back-to-back calls, with a device
 synchronisation between rounds.
@@ -80,32 +81,37 @@ def launch_rows(fn, x, calls: int, repeats: int) -> list[dict]:
     return rows
 
 
+VARIANTS = {"tensors": (False, False), "addresses": (True, False), "addresses_pooled": (True, True)}
+
+
 def interleaved_raw_pointers(fn, calls: int, repeats: int, rounds: int) -> dict:
-    """``call_us`` with the replays passing addresses and passing tensors (``LOWBIT_REPLAY_RAW_POINTERS``),
-    alternately, ``rounds`` times each: every replay is generated again after each switch."""
+    """``call_us`` with the replays passing tensors, passing addresses, and passing addresses with their scratch
+    pooled (``launcher._compile_replay``'s ``raw_pointers`` and ``pool``), alternately, ``rounds`` times each:
+    every replay is generated again for each variant. Also whether each variant's output is bit for bit the
+    ordinary launches' (``launcher.no_replays``)."""
     import gc
 
-    from lowbit.kernels.launcher import LaunchReplay
+    from lowbit.kernels import launcher
 
-    replays = [o for o in gc.get_objects() if isinstance(o, LaunchReplay)]
-    saved = os.environ.get("LOWBIT_REPLAY_RAW_POINTERS")
-    times: dict[str, list[float]] = {"1": [], "0": []}
+    replays = [o for o in gc.get_objects() if isinstance(o, launcher.LaunchReplay)]
+    with launcher.no_replays():
+        ordinary = fn()
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    same: dict[str, bool] = {}
     try:
         for _ in range(rounds):
-            for raw in ("1", "0"):
-                os.environ["LOWBIT_REPLAY_RAW_POINTERS"] = raw
+            for name, (raw, pool) in VARIANTS.items():
                 for r in replays:
-                    r.fn = None
-                times[raw].append(host_us(fn, calls, repeats))
+                    r.fn = launcher._compile_replay(r, raw_pointers=raw, pool=pool)
+                times[name].append(host_us(fn, calls, repeats))
+                same[name] = same.get(name, True) and torch.equal(fn(), ordinary)
     finally:
-        if saved is None:
-            os.environ.pop("LOWBIT_REPLAY_RAW_POINTERS", None)
-        else:
-            os.environ["LOWBIT_REPLAY_RAW_POINTERS"] = saved
         for r in replays:
             r.fn = None
-    return {"addresses": round(statistics.median(times["1"]), 2), "tensors": round(statistics.median(times["0"]), 2),
-            "addresses_all": times["1"], "tensors_all": times["0"]}
+    out = {name: round(statistics.median(v), 2) for name, v in times.items()}
+    out.update({f"{name}_all": v for name, v in times.items()})
+    out["bits_equal_to_ordinary"] = same
+    return out
 
 
 def main(argv=None) -> dict:
