@@ -379,7 +379,8 @@ class LaunchReplay:
             return None
 
 
-def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None, pool: bool | None = None):
+def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None, pool: bool | None = None,
+                    direct: bool | None = None):
     """``fn(inputs, stream)``: the replay as one generated function – the input checks, the allocations and
     the launches written out with every constant bound by name (a loop over the recorded argument specs
     costs several microseconds a call; this is the same work without the interpretation). Returns the
@@ -398,7 +399,11 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None, pool
     scratch tensor (3-6 µs each on an H200's host). A TMA descriptor over a scratch tensor gets its address as
     its base. The buffer is released when the replay returns, like the scratch tensors it replaces: the
     caching allocator hands the memory out again only to work queued after these launches on the same
-    stream. The replay returns ``None`` in the scratch outputs' places."""
+    stream. The replay returns ``None`` in the scratch outputs' places.
+
+    ``direct`` (default: with ``raw_pointers``, where :func:`_direct_launch` recognizes Triton's launcher)
+    calls Triton's C launch function itself rather than the compiled kernel's Python launcher, and encodes
+    each TMA descriptor once per address (:func:`_descriptor_encoder`) rather than on every launch."""
     if raw_pointers is None:
         raw_pointers = replay.device_index >= 0 and os.environ.get("LOWBIT_REPLAY_RAW_POINTERS", "1") not in (
             "0", "false", "off", "")
@@ -456,7 +461,16 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None, pool
     for s, (run, function, packed, g0, g1, g2, spec, tail) in enumerate(replay.steps):
         names.update({f"R{s}": run, f"F{s}": function, f"P{s}": packed})
         args = [f"{g0}, {g1}, {g2}, stream, F{s}, P{s}, None, None, None"]
+        c_launch = _direct_launch(run, spec) if raw and (direct is None or direct) else None
+        if c_launch is not None:  # Triton's C launcher itself; descriptors encoded once per address
+            launch, coop, pdl, encoders = c_launch
+            names.update({f"C{s}": launch, f"COOP{s}": coop, f"PDL{s}": pdl})
+            args = [f"{g0}, {g1}, {g2}, stream, F{s}, COOP{s}, PDL{s}, None, None, P{s}, None, None, None"]
         for a, (kind, value, extra) in enumerate(spec):
+            if c_launch is not None and kind == 2:
+                names[f"E{s}_{a}"] = encoders[a]
+                args.append(f"*E{s}_{a}({address(value)})")
+                continue
             if kind == 0:
                 if raw and isinstance(value, torch.Tensor):
                     names[f"KEEP{s}_{a}"] = value  # the address stays valid while the replay lives
@@ -481,10 +495,67 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None, pool
         for c, value in enumerate(tail):
             names[f"T{s}_{c}"] = value
             args.append(f"T{s}_{c}")
-        lines.append(f"    R{s}({', '.join(args)})")
+        lines.append(f"    {'C' if c_launch is not None else 'R'}{s}({', '.join(args)})")
     lines.append(f"    return [{''.join('None, ' if j in pooled else f'o{j}, ' for j in range(len(replay.allocs)))}]")
     exec(compile("\n".join(lines), f"<LowBit launch replay {id(replay):x}>", "exec"), names)
     return names["replay"]
+
+
+def _direct_launch(run, spec) -> tuple | None:
+    """``(c_launch, cooperative, pdl, encoders)`` when ``run`` (a compiled kernel's launcher) is Triton 3.6's
+    ``CudaLauncher``: its ``__call__(gridX, gridY, gridZ, stream, function, *args)`` allocates no scratch and
+    hands ``(grid, stream, function, cooperative, pdl, None, None, *args)`` to a C function (``launch``), after
+    expanding each host TMA descriptor argument into Triton's own encoding of it (``make_tensordesc_arg``:
+    the CUtensorMap, then the shape and strides). ``encoders`` maps each descriptor argument of ``spec``
+    to :func:`_descriptor_encoder`. ``None`` for any other launcher (other Triton versions): the replay
+    calls ``run`` as before."""
+    import inspect
+    import sys
+
+    try:
+        if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+            return None
+        if list(inspect.signature(type(run).__call__).parameters) != ["self", "gridX", "gridY", "gridZ", "stream",
+                                                                       "function", "args"]:
+            return None
+        driver = sys.modules.get(type(run).__module__)
+        if getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO":
+            return None
+        make_arg = getattr(driver, "make_tensordesc_arg", None)
+        launch, indices, metas = run.launch, set(), []
+        if getattr(launch, "__name__", "") == "inner":  # wrap_handle_tensordesc's wrapper around the C function
+            cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
+            launch, indices, metas = cells["launcher"], set(cells["tensordesc_indices"]), list(cells["tensordesc_meta"])
+        described = [a for a, (kind, _, _) in enumerate(spec) if kind == 2]
+        if not callable(launch) or set(described) != indices or len(metas) != len(described):
+            return None
+        encoders = {}
+        for a, meta in zip(sorted(described), metas):
+            maker = spec[a][2]
+            if meta is None or make_arg is None or getattr(maker, "from_address", None) is None:
+                return None  # a descriptor passed as base, shape and strides: it would hold the tensor
+            encoders[a] = _descriptor_encoder(maker.from_address, meta, make_arg)
+        return launch, run.launch_cooperative_grid, run.launch_pdl, encoders
+    except Exception:  # anything unexpected: the launcher as it is
+        return None
+
+
+def _descriptor_encoder(from_address, meta, make_arg):
+    """``encode(address)``: Triton's expansion of a host TMA descriptor (``make_arg(descriptor, meta)``: the
+    CUtensorMap, then the shape and strides) of the recorded block shape, shape and strides at ``address``,
+    kept per address. The encoding depends on nothing else (the replay has checked dtype, shape and strides),
+    so an address seen before (a layer's weight; an activation buffer the caching allocator hands out again)
+    costs a dictionary lookup instead of a ``cuTensorMapEncodeTiled``."""
+    cache: dict[int, list] = {}
+
+    def encode(address: int) -> list:
+        expanded = cache.get(address)
+        if expanded is None:
+            if len(cache) >= _MAX_KEYS:
+                cache.clear()
+            expanded = cache[address] = make_arg(from_address(address), meta)
+        return expanded
+    return encode
 
 
 def _descriptor_maker(desc, dtype: torch.dtype | None):

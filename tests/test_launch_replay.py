@@ -401,3 +401,123 @@ def test_a_replay_passing_addresses_refuses_a_tensor_on_another_device(raw_inter
     on_gpu = launcher._compile_replay(LaunchReplay(0, replay.device, replay.signatures, replay.allocs, replay.steps),
                                       raw_pointers=True)
     assert on_gpu(inputs, 0) is None
+
+
+def _fake_triton36_driver(addresses: Addresses, kernel, names: list[str], dtypes: dict, ran: list):
+    """A stand-in for Triton 3.6's ``CudaLauncher`` around ``kernel``, as :func:`launcher._direct_launch` expects
+    it: ``__call__(gridX, gridY, gridZ, stream, function, *args)``, a module with ``_BASE_ARGS_FORMAT`` and
+    ``make_tensordesc_arg`` (here: the descriptor itself stands for its CUtensorMap), and ``launch``, the
+    descriptor wrapper (``inner``) around a C-like launch function. That function rebuilds the kernel's
+    arguments from the expanded list and runs the kernel in the interpreter."""
+    import sys
+    import types
+
+    module = types.ModuleType("fake_triton36_driver")
+    module._BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
+    module.encoded, module.python_calls = [], 0
+
+    def make_tensordesc_arg(arg, metadata):
+        module.encoded.append(arg.base.data_ptr())
+        return [arg, *arg.shape, *arg.strides]
+    module.make_tensordesc_arg = make_tensordesc_arg
+    sys.modules[module.__name__] = module
+    described = sorted(i for i, t in dtypes.items() if t[0] == "desc")
+
+    def c_launch(gx, gy, gz, stream, function, coop, pdl, gscratch, pscratch, packed, meta, enter, leave, *flat):
+        runtime, i = [], 0
+        for position in range(len(kernel.arg_names) - len(names)):
+            a = flat[i]
+            if position in described:
+                ndim = len(a.shape)
+                i += 1 + 2 * ndim
+                start = addresses.tensor(a.base.data_ptr(), dtypes[position][1])
+                a = type(a).from_tensor(start[:math.prod(a.shape)].view(tuple(a.shape)), list(a.block_shape))
+                addresses.raw_args += 1
+            else:
+                i += 1
+                if type(a) is int and position in dtypes:
+                    a = addresses.tensor(a, dtypes[position][1])
+                    addresses.raw_args += 1
+            runtime.append(a)
+        ran.append(kernel)
+        kernel[(gx, gy, gz)](*runtime, **dict(zip(names, flat[i:])))
+
+    def wrap(launcher, tensordesc_indices, tensordesc_meta):
+        def inner(*args):  # as Triton 3.6's wrap_handle_tensordesc writes it
+            final_args = list(args[:13])
+            tensordesc_idx = 0
+            for i, arg in enumerate(args[13:]):
+                if i in tensordesc_indices:
+                    final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                    tensordesc_idx += 1
+                else:
+                    final_args.append(arg)
+            return launcher(*final_args)
+        return inner
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+
+        def __init__(self):
+            self.launch = wrap(c_launch, set(described), [{"swizzle": 128}] * len(described)) if described \
+                else c_launch
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            module.python_calls += 1
+            self.launch(gridX, gridY, gridZ, stream, function, False, False, None, None, *args)
+    CudaLauncher.__module__ = module.__name__
+    return CudaLauncher(), module
+
+
+@pytest.mark.parametrize("name", ["int8-pointer", "convrot-tma-persistent-sub", "hadanorm-split-k-tma"])
+def test_a_direct_replay_calls_the_c_launch_and_encodes_each_descriptor_once_per_address(name, raw_interpreted,
+                                                                                           monkeypatch):
+    """Where a compiled kernel's launcher is Triton 3.6's, a replay calls its C launch function itself, with each
+    TMA descriptor already expanded; an address seen before is not encoded again. Same bits as the ordinary
+    launches."""
+    ran, drivers = [], []
+
+    def remember(self, key, compiled, constexprs):
+        names, dtypes = list(constexprs), {}
+
+        def first(gx, gy, gz, stream, function, packed, metadata, enter, leave, *args):
+            runtime = args[:len(args) - len(names)]
+            for i, a in enumerate(runtime):
+                if isinstance(a, torch.Tensor):
+                    dtypes[i] = ("ptr", a.dtype)
+                elif isinstance(getattr(a, "base", None), torch.Tensor):
+                    dtypes[i] = ("desc", a.base.dtype)
+            ran.append(self.kernel)
+            self.kernel[(gx, gy, gz)](*runtime, **dict(zip(names, args[len(args) - len(names):])))
+            if not isinstance(self._compiled[key][0], tuple):
+                run, module = _fake_triton36_driver(raw_interpreted, self.kernel, names, dtypes, ran)
+                drivers.append(module)
+                self._compiled[key] = (run, None, None)
+        self._compiled[key] = (first, None, None)
+    monkeypatch.setattr(TritonLauncher, "_remember", remember)
+    plan, call = _w8a8(name)
+    # the first call compiles (the stand-ins record the argument kinds), the second is recorded with the fakes
+    call(_inputs("tensor", 19, 1))
+    call(_inputs("tensor", 19, 2))
+    (_, replay), = plan.replays.entries.items()
+    assert isinstance(replay, LaunchReplay)
+    replay.fn = launcher._compile_replay(replay, raw_pointers=True)  # as a CUDA device's replay is made
+    weights = call.__defaults__[0]
+    raw_interpreted.add(*weights.values())
+    n_descriptors = sum(kind == 2 for step in replay.steps for kind, _, _ in step[6])
+    for seed in (3, 4):
+        x = _inputs("tensor", 19, seed)
+        raw_interpreted.add(x)
+        before, encoded, python = len(ran), sum(len(d.encoded) for d in drivers), sum(d.python_calls for d in drivers)
+        replayed = call(x)
+        assert len(ran) - before == 2, "both kernels ran through the stand-in C launch"
+        assert sum(d.python_calls for d in drivers) == python, "not through the launcher's Python"
+        new = [a for d in drivers for a in d.encoded][encoded:]
+        if seed == 3:
+            assert len(new) == n_descriptors
+            weight_described = weights["weight"].data_ptr() in new
+            assert weight_described == (n_descriptors > 0)
+        else:  # the weight's descriptor is the one encoded before (the codes' and output's may be new addresses)
+            assert weights["weight"].data_ptr() not in new and len(new) <= max(0, n_descriptors - 1)
+        assert torch.equal(replayed, _ordinary(plan, x, call))

@@ -17,8 +17,9 @@ N = K = 3072, after the dispatcher has settled and the launch replay is recorded
 * ``empty_us``: one ``torch.empty`` of the output's size.
 
 ``raw_pointers`` records ``LOWBIT_REPLAY_RAW_POINTERS`` (``0``: the replays pass tensors, not addresses);
-``call_us_by_raw_pointers`` times the call with the replays passing tensors, passing addresses, and passing
-addresses with their scratch tensors carved out of one allocation, alternately, ``--rounds`` times each in
+``call_us_by_raw_pointers`` times the call with the replays passing tensors, passing addresses, passing
+addresses with their scratch tensors carved out of one allocation, and that with Triton's C launch function
+called directly (descriptors encoded once per address), alternately, ``--rounds`` times each in
 the same process (the medians, every round, and whether each variant gave the ordinary launches' bits).
 
 Every time is the median of ``--repeats`` rounds of ``--calls`` back-to-back calls, with a device
@@ -81,12 +82,14 @@ def launch_rows(fn, x, calls: int, repeats: int) -> list[dict]:
     return rows
 
 
-VARIANTS = {"tensors": (False, False), "addresses": (True, False), "addresses_pooled": (True, True)}
+VARIANTS = {"tensors": (False, False, False), "addresses": (True, False, False),
+            "addresses_pooled": (True, True, False), "addresses_pooled_direct": (True, True, True)}
 
 
 def interleaved_raw_pointers(fn, calls: int, repeats: int, rounds: int) -> dict:
-    """``call_us`` with the replays passing tensors, passing addresses, and passing addresses with their scratch
-    pooled (``launcher._compile_replay``'s ``raw_pointers`` and ``pool``), alternately, ``rounds`` times each:
+    """``call_us`` with the replays passing tensors, passing addresses, passing addresses with their scratch
+    pooled, and also calling Triton's C launch function directly (``launcher._compile_replay``'s ``raw_pointers``,
+    ``pool`` and ``direct``), alternately, ``rounds`` times each:
     every replay is generated again for each variant. Also whether each variant's output is bit for bit the
     ordinary launches' (``launcher.no_replays``)."""
     import gc
@@ -100,9 +103,9 @@ def interleaved_raw_pointers(fn, calls: int, repeats: int, rounds: int) -> dict:
     same: dict[str, bool] = {}
     try:
         for _ in range(rounds):
-            for name, (raw, pool) in VARIANTS.items():
+            for name, (raw, pool, direct) in VARIANTS.items():
                 for r in replays:
-                    r.fn = launcher._compile_replay(r, raw_pointers=raw, pool=pool)
+                    r.fn = launcher._compile_replay(r, raw_pointers=raw, pool=pool, direct=direct)
                 times[name].append(host_us(fn, calls, repeats))
                 same[name] = same.get(name, True) and torch.equal(fn(), ordinary)
     finally:
@@ -111,6 +114,8 @@ def interleaved_raw_pointers(fn, calls: int, repeats: int, rounds: int) -> dict:
     out = {name: round(statistics.median(v), 2) for name, v in times.items()}
     out.update({f"{name}_all": v for name, v in times.items()})
     out["bits_equal_to_ordinary"] = same
+    out["direct_launches_recognized"] = [launcher._direct_launch(step[0], step[6]) is not None
+                                         for r in replays for step in r.steps]
     return out
 
 
