@@ -212,11 +212,13 @@ def test_flux_step_bench_refuses_what_it_cannot_run_before_building_the_model(tm
     assert "bf16 step" not in proc.stderr and not out.exists()
 
 
-def test_small_m_gemm_sweep_refuses_without_cuda(tmp_path):
-    """The small-M GEMM sweep times CUDA graphs: without a GPU it says so and writes nothing."""
-    out = tmp_path / "sweep.json"
+@pytest.mark.parametrize("script", ["sweep_small_m_gemm.py", "bench_launch_host.py", "diag_step_host.py"])
+def test_cuda_only_scripts_refuse_without_cuda(tmp_path, script):
+    """The small-M GEMM sweep (CUDA graphs), the launch-cost bench and the step host diagnosis (CUDA launches and
+    events): without a GPU each says so, exits 2 and writes nothing."""
+    out = tmp_path / "report.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(GPU_DIR / "sweep_small_m_gemm.py"), "--out", str(out)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(GPU_DIR / script), "--out", str(out)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()

@@ -132,8 +132,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_launch_host.py measures CUDA launches: no CUDA device here", file=sys.stderr)
-        return {}
+        print("bench_launch_host.py measures CUDA launches: it needs a CUDA GPU (none here)", file=sys.stderr)
+        sys.exit(2)
     import triton
 
     from lowbit.kernels.bench import Problem

@@ -106,8 +106,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("diag_step_host.py times CUDA steps: no CUDA device here", file=sys.stderr)
-        return {}
+        print("diag_step_host.py times CUDA steps: it needs a CUDA GPU (none here)", file=sys.stderr)
+        sys.exit(2)
     device = torch.device("cuda")
     bench.import_comfy(device.type)
     from lowbit.nodes.model_quant import quantize_model
