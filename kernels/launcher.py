@@ -303,11 +303,11 @@ class LaunchReplay:
 
     :meth:`build` takes the launches of one call (:func:`capture_launches`), the tensors the call was
     given (``inputs``, a fixed order, ``None`` allowed) and the tensors it allocated with ``torch.empty``
-    (``outputs``: results and scratch, a fixed order; the first ``scratch`` of them only the call's own launches
-    use, so a replay may hand back ``None`` in their place, see :func:`_compile_replay`). Each tensor argument of each launch must be one of
-    those (or a view of one as another dtype of the same size), or a :func:`constant_tensor`; each
-    TMA descriptor must describe one of those; each launch must have a compiled kernel in its
-    launcher's fast path. Otherwise there is no replay (``None``): the caller keeps its ordinary path.
+    (``outputs``: results and scratch, a fixed order; the first ``scratch`` of them only the call's own
+    launches use, so a replay may hand back ``None`` in their place, see :func:`_compile_replay`). Each
+    tensor argument of each launch must be one of those (or a view of one as another dtype of the same
+    size), or a :func:`constant_tensor`; each TMA descriptor must describe one of those; each launch must
+    have a compiled kernel in its launcher's fast path. Otherwise there is no replay (``None``): the caller keeps its ordinary path.
     The caller keys its replays by everything else its scalar arguments and constexprs depend on.
 
     :meth:`replay` runs when the new inputs have the recorded dtypes, shapes, strides and 16-byte

@@ -212,7 +212,8 @@ def _act_quant_runs(x2d: torch.Tensor, pre: Preprocess, fp8: bool) -> bool:
 class _TritonW8A8Plan:
     """Our act-quant kernel + our GEMM with one tile config (``config`` None: ``torch._int_mm`` /
     ``torch._scaled_mm`` and the epilogue, the ``torch`` decision on a GPU): two launches and three
-    allocations, replayed per kind of input (``kernels/replay.py``). ``x`` may be a prologue
+    allocations, replayed per kind of input (``kernels/replay.py``; on a CUDA device a Triton config's
+    replay makes two: the codes and scales share one). ``x`` may be a prologue
     (``kernels/prologue.py``): the act-quant kernel computes it."""
 
     __slots__ = ("config", "rotation", "group_size", "center", "code_dtype", "qmax", "out_dtype", "scale_as_is",
