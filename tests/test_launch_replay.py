@@ -38,6 +38,15 @@ class Ran(list):
     broken = False  # set: every stand-in compiled kernel raises
 
 
+def _fresh_launchers(monkeypatch, remember):
+    """Every launcher starts with no compiled kernels and keeps ``remember``'s stand-ins; replays are on."""
+    monkeypatch.setattr(TritonLauncher, "_remember", remember)
+    for each in list(launcher._ALL):
+        monkeypatch.setattr(each, "disabled_reason", None)
+        monkeypatch.setattr(each, "_compiled", {})
+    monkeypatch.setattr(launcher, "_replay_failure", [None])
+
+
 @pytest.fixture
 def interpreted(monkeypatch):
     """Every launcher keeps, per specialization, a stand-in compiled kernel that runs its Triton kernel in
@@ -57,11 +66,7 @@ def interpreted(monkeypatch):
 
         self._compiled[key] = (run, None, None)
 
-    monkeypatch.setattr(TritonLauncher, "_remember", remember)
-    for each in list(launcher._ALL):
-        monkeypatch.setattr(each, "disabled_reason", None)
-        monkeypatch.setattr(each, "_compiled", {})
-    monkeypatch.setattr(launcher, "_replay_failure", [None])
+    _fresh_launchers(monkeypatch, remember)
     return ran
 
 
@@ -306,11 +311,7 @@ def raw_interpreted(monkeypatch):
 
         self._compiled[key] = (run, None, None)
 
-    monkeypatch.setattr(TritonLauncher, "_remember", remember)
-    for each in list(launcher._ALL):
-        monkeypatch.setattr(each, "disabled_reason", None)
-        monkeypatch.setattr(each, "_compiled", {})
-    monkeypatch.setattr(launcher, "_replay_failure", [None])
+    _fresh_launchers(monkeypatch, remember)
     real_empty = torch.empty
 
     def empty(*args, **kwargs):
