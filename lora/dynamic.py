@@ -67,6 +67,8 @@ class LoraBank(torch.nn.Module):
         n, k = shape
         if not entries:
             raise ValueError(f"layer {layer!r}: a LoRA bank needs at least one LoRA")
+        if device is None:  # where the (first) LoRA lives: its scales must be made there too
+            device = entries[0][1].down.device
         downs, ups, ranges, strengths, scales = [], [], [], {}, []
         start = 0
         for name, delta in entries:

@@ -51,6 +51,17 @@ def test_concatenated_bank_equals_sum_of_separate_loras():
     assert sqnr_db(expected, apply(x, bank)) > 100
 
 
+def test_bank_is_built_where_its_loras_are_without_a_device():
+    """``build`` without ``device`` keeps every bank tensor on the LoRAs' device (scales included: a GPU
+    LoRA once got CPU scales, and the layer's forward failed). The meta device stands in for a GPU."""
+    lora = random_lora(5, rank=4, alpha=2.0)
+    meta = LowRankDelta(down=lora.down.to("meta"), up=lora.up.to("meta"), alpha=lora.alpha, strength=lora.strength)
+    bank = LoraBank.build([("a", meta)], SHAPE)
+    assert {t.device.type for t in (bank.down, bank.up, bank.rank_scale, bank.rank_scale_c)} == {"meta"}
+    moved = LoraBank.build([("a", lora)], SHAPE, device="meta")  # a CPU LoRA, an explicit device
+    assert {t.device.type for t in (moved.down, moved.up, moved.rank_scale, moved.rank_scale_c)} == {"meta"}
+
+
 def test_strength_edit_rewrites_rank_scale_in_place():
     a, b = random_lora(3, rank=8, alpha=4.0), random_lora(4, rank=8)
     bank = LoraBank.build([("a", a), ("b", b)], SHAPE)
