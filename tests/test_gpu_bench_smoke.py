@@ -212,10 +212,11 @@ def test_flux_step_bench_refuses_what_it_cannot_run_before_building_the_model(tm
     assert "bf16 step" not in proc.stderr and not out.exists()
 
 
-@pytest.mark.parametrize("script", ["sweep_small_m_gemm.py", "bench_launch_host.py", "diag_step_host.py"])
+@pytest.mark.parametrize("script", ["sweep_small_m_gemm.py", "bench_launch_host.py", "diag_step_host.py",
+                                    "sweep_w4_gluon.py"])
 def test_cuda_only_scripts_refuse_without_cuda(tmp_path, script):
-    """The small-M GEMM sweep (CUDA graphs), the launch-cost bench and the step host diagnosis (CUDA launches and
-    events): without a GPU each says so, exits 2 and writes nothing."""
+    """The small-M GEMM sweep (CUDA graphs), the launch-cost bench, the step host diagnosis (CUDA launches and
+    events) and the Gluon W4 GEMM sweep (sm_90 only): without a GPU each says so, exits 2 and writes nothing."""
     out = tmp_path / "report.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(GPU_DIR / script), "--out", str(out)], cwd=tmp_path,
