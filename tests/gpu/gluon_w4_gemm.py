@@ -125,6 +125,46 @@ if gluon is not None:
         return (first_m + (tile % per_group) % group_rows) * BLOCK_M, ((tile % per_group) // group_rows) * BLOCK_N
 
     @gluon.jit
+    def _codebook_operands(s_ptr, table_ptr, N, off_n, k_first, stride_sn, layout: gl.constexpr, GROUP: gl.constexpr,
+                           BLOCK_N: gl.constexpr, HALF: gl.constexpr):
+        """For the codebook decode of ``[BLOCK_N, HALF]`` packed tiles in ``layout``: the pointers to each row's
+        first-tile int64 of scale bytes (``s_ptr`` views the scales as int64; ``+ i`` for tile ``i``), the table
+        address and each code word's group number (0-7, every tile the same)."""
+        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        s_ptrs = s_ptr + (rows % N).to(gl.int64) * stride_sn + k_first
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        table = gl.full([BLOCK_N, HALF], 0, gl.int64, layout=layout) + table_ptr.to(gl.int64)
+        gsel = gl.full([BLOCK_N, HALF], 0, gl.uint8, layout=layout) + ((2 * cols) // GROUP).to(gl.uint8)[None, :]
+        return s_ptrs, table, gsel
+
+    @gluon.jit
+    def _decode_codebook(packed, s_words, gsel, table, DECODE: gl.constexpr):
+        """The two INT8 planes of codebook codes (``_ROW_CODEBOOK_PTX``; ``DECODE`` >= 2: without the table
+        loads, a diagnostic)."""
+        if DECODE >= 2:
+            return gl.inline_asm_elementwise(_ROW_CODEBOOK_PTX_NO_TABLE, "=r,=r,r,l,l,l,l,r,l,l,l,l",
+                                             [packed, s_words, gsel, table], dtype=(gl.int8, gl.int8), is_pure=True,
+                                             pack=4)
+        return gl.inline_asm_elementwise(_ROW_CODEBOOK_PTX, "=r,=r,r,l,l,l,l,r,l,l,l,l", [packed, s_words, gsel, table],
+                                         dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+
+    @gluon.jit
+    def _decode_nibbles(packed):
+        """The two INT8 planes of signed nibbles (the Triton kernel's PTX)."""
+        return gl.inline_asm_elementwise(_NIBBLES_PTX, "=r,=r,r", [packed], dtype=(gl.int8, gl.int8), is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _k_share(K, K_TILES_PER_SPLIT, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr):
+        """(first K tile, K tile count) of this program's K share (``program_id(1)``; all of K without split-K)."""
+        k_first = 0
+        k_tiles = K // BLOCK_K
+        if SPLIT_K > 1:
+            k_first = gl.program_id(1) * K_TILES_PER_SPLIT
+            k_tiles = gl.minimum(k_tiles - k_first, K_TILES_PER_SPLIT)
+        return k_first, k_tiles
+
+    @gluon.jit
     def _epilogue(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, ws_ptr, lock_ptr, M, N, off_m, off_n, tile, stride_cm,
                   mma: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_M: gl.constexpr):
@@ -175,11 +215,7 @@ if gluon is not None:
 
         tile = gl.program_id(0)
         off_m, off_n = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        k_first = 0
-        k_tiles = K // BLOCK_K
-        if SPLIT_K > 1:
-            k_first = gl.program_id(1) * K_TILES_PER_SPLIT
-            k_tiles = gl.minimum(k_tiles - k_first, K_TILES_PER_SPLIT)
+        k_first, k_tiles = _k_share(K, K_TILES_PER_SPLIT, BLOCK_K, SPLIT_K)
 
         acts = gl.allocate_shared_memory(gl.int8, [2 * STAGES, BLOCK_M, HALF], a_desc.layout)
         wq = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HALF], w_desc.layout)
@@ -202,11 +238,8 @@ if gluon is not None:
             # A row's 8 group scale bytes of one K tile are one int64 (s_ptr views the scales as int64): loaded
             # once per row a thread (a tile ahead), broadcast along the row, and each code word's byte picked
             # in the decode by a byte permute with its group's index (gsel, the same every tile).
-            rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
-            s_ptrs = s_ptr + (rows % N).to(gl.int64) * stride_sn + k_first
-            cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, w_layout))
-            table = gl.full([BLOCK_N, HALF], 0, gl.int64, layout=w_layout) + table_ptr.to(gl.int64)
-            gsel = gl.full([BLOCK_N, HALF], 0, gl.uint8, layout=w_layout) + ((2 * cols) // GROUP).to(gl.uint8)[None, :]
+            s_ptrs, table, gsel = _codebook_operands(s_ptr, table_ptr, N, off_n, k_first, stride_sn, w_layout, GROUP,
+                                                     BLOCK_N, HALF)
             if DECODE % 2 == 1:
                 s_next = gl.full([BLOCK_N], 0x3838383838383838, gl.int64, layout=gl.SliceLayout(1, w_layout))
             else:
@@ -223,17 +256,9 @@ if gluon is not None:
             mbarrier.wait(bars.index(st), (i // STAGES) & 1)
             packed = wq.index(st).load(w_layout)
             if CODEBOOK:
-                if DECODE >= 2:
-                    low, high = gl.inline_asm_elementwise(_ROW_CODEBOOK_PTX_NO_TABLE, "=r,=r,r,l,l,l,l,r,l,l,l,l",
-                                                          [packed, s_cur, gsel, table], dtype=(gl.int8, gl.int8),
-                                                          is_pure=True, pack=4)
-                else:
-                    low, high = gl.inline_asm_elementwise(_ROW_CODEBOOK_PTX, "=r,=r,r,l,l,l,l,r,l,l,l,l",
-                                                          [packed, s_cur, gsel, table], dtype=(gl.int8, gl.int8),
-                                                          is_pure=True, pack=4)
+                low, high = _decode_codebook(packed, s_cur, gsel, table, DECODE)
             else:
-                low, high = gl.inline_asm_elementwise(_NIBBLES_PTX, "=r,=r,r", [packed], dtype=(gl.int8, gl.int8),
-                                                      is_pure=True, pack=4)
+                low, high = _decode_nibbles(packed)
             dec.index(2 * b).store(low)
             dec.index(2 * b + 1).store(high)
             fence_async_shared()
@@ -287,14 +312,11 @@ if gluon is not None:
         """DEC_WARPS warps: each packed tile decoded into the two INT8 planes in shared memory (a ring of
         DEC_STAGES), 16 consecutive bytes of a row a thread."""
         HALF: gl.constexpr = BLOCK_K // 2
-        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[HALF // 16, 512 // HALF],
+        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[512 // HALF, HALF // 16],
                                                 warps_per_cta=[DEC_WARPS, 1], order=[1, 0])
         if CODEBOOK:
-            rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-            s_ptrs = s_ptr + (rows % N).to(gl.int64) * stride_sn + k_first
-            cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-            table = gl.full([BLOCK_N, HALF], 0, gl.int64, layout=layout) + table_ptr.to(gl.int64)
-            gsel = gl.full([BLOCK_N, HALF], 0, gl.uint8, layout=layout) + ((2 * cols) // GROUP).to(gl.uint8)[None, :]
+            s_ptrs, table, gsel = _codebook_operands(s_ptr, table_ptr, N, off_n, k_first, stride_sn, layout, GROUP,
+                                                     BLOCK_N, HALF)
             s_next = gl.load(s_ptrs)
         for i in range(k_tiles):
             st = i % STAGES
@@ -307,12 +329,9 @@ if gluon is not None:
             gl.thread_barrier()
             mbarrier.arrive(wq_empty.index(st), count=1)
             if CODEBOOK:
-                low, high = gl.inline_asm_elementwise(_ROW_CODEBOOK_PTX, "=r,=r,r,l,l,l,l,r,l,l,l,l",
-                                                      [packed, s_cur, gsel, table], dtype=(gl.int8, gl.int8),
-                                                      is_pure=True, pack=4)
+                low, high = _decode_codebook(packed, s_cur, gsel, table, 0)
             else:
-                low, high = gl.inline_asm_elementwise(_NIBBLES_PTX, "=r,=r,r", [packed], dtype=(gl.int8, gl.int8),
-                                                      is_pure=True, pack=4)
+                low, high = _decode_nibbles(packed)
             mbarrier.wait(dec_empty.index(d), ((i // DEC_STAGES) & 1) ^ 1)
             dec.index(2 * d).store(low)
             dec.index(2 * d + 1).store(high)
@@ -361,11 +380,7 @@ if gluon is not None:
         DEC_STAGES: gl.constexpr = 2
         tile = gl.program_id(0)
         off_m, off_n = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        k_first = 0
-        k_tiles = K // BLOCK_K
-        if SPLIT_K > 1:
-            k_first = gl.program_id(1) * K_TILES_PER_SPLIT
-            k_tiles = gl.minimum(k_tiles - k_first, K_TILES_PER_SPLIT)
+        k_first, k_tiles = _k_share(K, K_TILES_PER_SPLIT, BLOCK_K, SPLIT_K)
         acts = gl.allocate_shared_memory(gl.int8, [2 * STAGES, BLOCK_M, HALF], a_desc.layout)
         wq = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HALF], w_desc.layout)
         dec = gl.allocate_shared_memory(gl.int8, [2 * DEC_STAGES, BLOCK_N, HALF], w_desc.layout)
