@@ -38,8 +38,9 @@ def parse_args(argv=None):
     parser.add_argument("--m", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--kinds", nargs="+", default=list(sweep.KINDS))
     parser.add_argument("--configs", nargs="+", default=GLUON, help="Gluon configs (GemmConfig names)")
-    parser.add_argument("--diag", nargs="*", default=["128x64x128-g8-w4-s3-ws"],
-                        help="configs whose codebook decode is also timed without its loads (DIAG)")
+    parser.add_argument("--diag", nargs="*", default=["128x64x128-g8-w4-s4"],
+                        help="configs (among --configs, one-partition) whose codebook decode is also timed without "
+                             "its loads (DIAG)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--calls", type=int, default=48)
     parser.add_argument("--rotate-mb", type=float, default=256.0)
@@ -75,50 +76,47 @@ def main(argv=None) -> int:
                 packs = [prob["packed"]] + [prob["packed"].clone() for _ in range(copies - 1)]
                 out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
                 entry = {"triton": {}, "gluon": {}, "bits": {}}
+
+                def timed(call, limit=200):
+                    """Median µs of ``call(packed)`` over the weight copies (CUDA-graph replays), or the error."""
+                    try:
+                        calls = [lambda p=p: call(p) for p in packs] * max(1, -(-args.calls // len(packs)))
+                        return round(sweep.time_us(calls, device, args.replays), 2)
+                    except Exception as err:  # noqa: BLE001 - recorded per config
+                        return f"{type(err).__name__}: {str(err)[:limit]}"
+
                 for name in TRITON[kind]:
                     cfg = GemmConfig.from_name(name)
                     ap = _perm(prob["a"], cfg.block_k)
-                    try:
-                        calls = [lambda p=p: sweep.run_w4(prob, ap, cfg, out, packed=p) for p in packs]
-                        calls = calls * max(1, -(-args.calls // len(calls)))
-                        entry["triton"][name] = round(sweep.time_us(calls, device, args.replays), 2)
-                    except Exception as err:  # noqa: BLE001 - recorded per config
-                        entry["triton"][name] = f"{type(err).__name__}: {str(err)[:200]}"
+                    entry["triton"][name] = timed(lambda p, ap=ap, cfg=cfg: sweep.run_w4(prob, ap, cfg, out, packed=p))
                 for name in args.configs:
                     cfg = GemmConfig.from_name(name)
                     ap = _perm(prob["a"], cfg.block_k)
+
+                    def gluon(p, ap=ap, cfg=cfg, decode=0, into=out):
+                        return w4a8_mm_gluon(ap, p, prob["a_scale"], prob["w_scale"], prob["bias"], prob["s_rel"],
+                                             prob["table"], sweep.GROUP, torch.bfloat16, cfg, out=into, decode=decode)
                     try:
-                        got = w4a8_mm_gluon(ap, prob["packed"], prob["a_scale"], prob["w_scale"], prob["bias"],
-                                            prob["s_rel"], prob["table"], sweep.GROUP, torch.bfloat16, cfg)
+                        got = gluon(prob["packed"], into=None)
                         torch.cuda.synchronize()
-                        entry["bits"][name] = bool(torch.equal(got, ref))
-                        if not entry["bits"][name]:
-                            diff = (got.float() - ref.float()).abs()
-                            entry["bits"][name + ":maxdiff"] = float(diff.max())
-                            entry["bits"][name + ":ndiff"] = int((diff > 0).sum())
-                        calls = [lambda p=p: w4a8_mm_gluon(ap, p, prob["a_scale"], prob["w_scale"], prob["bias"],
-                                                           prob["s_rel"], prob["table"], sweep.GROUP, torch.bfloat16,
-                                                           cfg, out=out) for p in packs]
-                        calls = calls * max(1, -(-args.calls // len(calls)))
-                        entry["gluon"][name] = round(sweep.time_us(calls, device, args.replays), 2)
                     except Exception as err:  # noqa: BLE001 - recorded per config
                         entry["gluon"][name] = f"{type(err).__name__}: {str(err)[:300]}"
-                for name in (args.diag if kind == "codebook" else []):
-                    cfg = GemmConfig.from_name(name)
-                    ap = _perm(prob["a"], cfg.block_k)
-                    for label, mode in DIAG.items():
-                        try:
-                            calls = [lambda p=p, mode=mode: w4a8_mm_gluon(
-                                ap, p, prob["a_scale"], prob["w_scale"], prob["bias"], prob["s_rel"], prob["table"],
-                                sweep.GROUP, torch.bfloat16, cfg, out=out, decode=mode) for p in packs]
-                            calls = calls * max(1, -(-args.calls // len(calls)))
-                            entry.setdefault("diag", {})[f"{name}/{label}"] = round(
-                                sweep.time_us(calls, device, args.replays), 2)
-                        except Exception as err:  # noqa: BLE001 - recorded per config
-                            entry.setdefault("diag", {})[f"{name}/{label}"] = f"{type(err).__name__}: {str(err)[:200]}"
+                        continue
+                    entry["bits"][name] = bool(torch.equal(got, ref))
+                    if not entry["bits"][name]:
+                        diff = (got.float() - ref.float()).abs()
+                        entry["bits"][name + ":maxdiff"] = float(diff.max())
+                        entry["bits"][name + ":ndiff"] = int((diff > 0).sum())
+                    entry["gluon"][name] = timed(gluon, 300)
+                    if kind == "codebook" and name in args.diag:
+                        for label, mode in DIAG.items():
+                            entry.setdefault("diag", {})[f"{name}/{label}"] = timed(
+                                lambda p, mode=mode, gluon=gluon: gluon(p, decode=mode))
+                # the best config's ratio; for Gluon only configs whose output was the Triton kernel's bit for bit
+                exact = {k: v for k, v in entry["gluon"].items() if entry["bits"].get(k)}
                 best = lambda d: min((v for v in d.values() if isinstance(v, float)), default=float("nan"))
                 entry["best_triton_x"] = round(row["bf16_us"] / best(entry["triton"]), 3)
-                entry["best_gluon_x"] = round(row["bf16_us"] / best(entry["gluon"]), 3)
+                entry["best_gluon_x"] = round(row["bf16_us"] / best(exact), 3)
                 row[kind] = entry
                 print(f"M={m} N={n} K={k} {kind}: bf16 {row['bf16_us']:.1f} us, triton best "
                       f"{entry['best_triton_x']}x, gluon best {entry['best_gluon_x']}x, bits {entry['bits']}",
