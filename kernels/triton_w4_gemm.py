@@ -113,12 +113,16 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
     elif USE_PTX:
         # 4 bytes a 32-bit register (pack=4). Per byte, low nibble n: t = n ^ 8 is in [0, 15], and
         # (t + 0x78) ^ 0x80 is t - 8 as a signed byte; t + 0x78 <= 0x87 never carries into the next
-        # byte. The high nibble: the same on w >> 4.
-        low, high = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; and.b32 t, $2, 0x0F0F0F0F; xor.b32 t, t, 0x08080808; add.u32 t, t, 0x78787878; "
-            "xor.b32 $0, t, 0x80808080; shr.u32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F; xor.b32 t, t, 0x08080808; "
-            "add.u32 t, t, 0x78787878; xor.b32 $1, t, 0x80808080; }",
-            "=r,=r,r", [packed], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+        # byte. The high nibble: the same on w >> 4. One block per plane: with both planes out of one
+        # block, Triton 3.8 gives each plane its own layout (the swap-AB operand's and a blocked one),
+        # decodes the tile twice and sends one plane through shared memory; Triton 3.6 did neither.
+        low = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; and.b32 t, $1, 0x0F0F0F0F; xor.b32 t, t, 0x08080808; add.u32 t, t, 0x78787878; "
+            "xor.b32 $0, t, 0x80808080; }", "=r,r", [packed], dtype=tl.int8, is_pure=True, pack=4)
+        high = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 t, t, 0x0F0F0F0F; xor.b32 t, t, 0x08080808; "
+            "add.u32 t, t, 0x78787878; xor.b32 $0, t, 0x80808080; }", "=r,r", [packed], dtype=tl.int8, is_pure=True,
+            pack=4)
     else:
         low = (packed << 4) >> 4  # int8 arithmetic shift sign-extends the low nibble
         high = packed >> 4

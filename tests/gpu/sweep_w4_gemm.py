@@ -333,7 +333,8 @@ def run_workers(names: list[str], kinds, args, deadline: float) -> dict:
 
 def offline_compile(name: str, kind: str, arch: int = 90) -> dict:
     """Compile one variant for ``sm_<arch>`` on any machine (Triton's own ptxas; no GPU, no interpreter):
-    its shared memory, and with ``ptxas -v`` its registers and spill stores. The signature is what the
+    its shared memory, two facts of its TTGIR (``decode_blocks``, ``staged_i8_tiles``), and with
+    ``ptxas -v`` its registers and spill stores. The signature is what the
     launcher passes at the measured shapes (16-aligned pointers and sizes, bf16 output and bias)."""
     import re
 
@@ -363,8 +364,13 @@ def offline_compile(name: str, kind: str, arch: int = 90) -> dict:
     compiled = triton.compile(triton.compiler.ASTSource(kernel, signature, constexprs, attrs),
                               target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    ttgir = compiled.asm["ttgir"]
     row = {"shared_bytes": compiled.metadata.shared, "fits_sm90": compiled.metadata.shared <= 227 * 1024,
-           "compile_s": round(time.perf_counter() - start, 2)}
+           "compile_s": round(time.perf_counter() - start, 2),
+           # the inline-PTX decode blocks in the kernel, and the int8 tiles made in registers and then written to
+           # shared memory (a decoded plane on its way to a wgmma operand in shared memory)
+           "decode_blocks": ttgir.count("tt.elementwise_inline_asm"),
+           "staged_i8_tiles": len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor<[0-9x]+xi8", ttgir))}
     ptxas = getattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "ptxas", None)
     ptxas = getattr(ptxas, "path", None)
     if ptxas and os.path.isfile(ptxas):
@@ -392,7 +398,7 @@ def compile_only(names: list[str], args) -> dict:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    tasks = [(name, kind) for kind in KINDS for name in variant_names(names, kind, args.alt_kinds)]
+    tasks = [(name, kind) for kind in args.kinds for name in variant_names(names, kind, args.alt_kinds)]
     with ProcessPoolExecutor(max(1, args.workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         return dict(pool.map(_offline_task, tasks))
 
@@ -402,7 +408,7 @@ def compile_only(names: list[str], args) -> dict:
 def measure_shape(m, n, k, names, prechecks, args, device) -> dict:
     row = {"m": m, "n": n, "k": k, "bf16_us": bf16_linear_us(m, n, k, args, device)}
     row["kinds"] = {kind: measure_kind(m, n, k, kind, names, prechecks, args, device, row["bf16_us"])
-                    for kind in KINDS}
+                    for kind in args.kinds}
     return row
 
 
@@ -496,6 +502,8 @@ def summarize(rows: list[dict]) -> dict:
         at_m = [r for r in rows if r["m"] == m and "kinds" in r]
         for kind in KINDS:
             entries = [(r, r["kinds"][kind]) for r in at_m if kind in r["kinds"]]
+            if not entries:
+                continue
             geo = {}
             for name in dict.fromkeys(name for _, e in entries for name in e["configs"]):
                 speedups = [e["configs"].get(name, {}).get("speedup_vs_bf16") for _, e in entries]
@@ -521,6 +529,8 @@ def main(argv=None) -> int:
                    help="weight bytes cycled through per graph (default 128; an H200's L2 is 50 MB)")
     p.add_argument("--calls", type=int, default=None, help="calls per CUDA graph, at least (default 10)")
     p.add_argument("--replays", type=int, default=None, help="graph replays, median reported (default 5)")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
+                   help="weight kinds to compile or measure (default: both)")
     p.add_argument("--alt-kinds", nargs="*", default=["codebook"], choices=KINDS,
                    help=f"weight kinds whose tma configs are also run as '<config>{ALT}' (the packed weight "
                         "tile read the other way than the kernel's default for the kind)")
@@ -581,7 +591,7 @@ def main(argv=None) -> int:
     save()
     prechecks = {}
     if args.workers > 0:
-        prechecks = run_workers(names, KINDS, args, min(args.deadline, T0 + args.worker_budget_s))
+        prechecks = run_workers(names, args.kinds, args, min(args.deadline, T0 + args.worker_budget_s))
         report["phase1"] = {f"{name}/{kind}": row for (name, kind), row in sorted(prechecks.items())}
         report["phase1_s"] = round(time.monotonic() - T0, 1)
         save()
