@@ -30,7 +30,7 @@ import math
 import os
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -462,10 +462,17 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None, pool
         names.update({f"R{s}": run, f"F{s}": function, f"P{s}": packed})
         args = [f"{g0}, {g1}, {g2}, stream, F{s}, P{s}, None, None, None"]
         c_launch = _direct_launch(run, spec) if raw and (direct is None or direct) else None
+        head = None
         if c_launch is not None:  # Triton's C launcher itself; descriptors encoded once per address
-            launch, coop, pdl, encoders = c_launch
-            names.update({f"C{s}": launch, f"COOP{s}": coop, f"PDL{s}": pdl})
-            args = [f"{g0}, {g1}, {g2}, stream, F{s}, COOP{s}, PDL{s}, None, None, P{s}, None, None, None"]
+            names.update({f"C{s}": c_launch.launch, f"COOP{s}": c_launch.cooperative, f"PDL{s}": c_launch.pdl})
+            encoders = c_launch.encoders
+            if c_launch.annotations is None:  # Triton 3.6: the kernel's arguments follow the launch's own
+                args = [f"{g0}, {g1}, {g2}, stream, F{s}, COOP{s}, PDL{s}, None, None, P{s}, None, None, None"]
+            else:  # Triton 3.7+: one generic launch function, the kernel's arguments in one tuple at the end
+                names.update({f"ANN{s}": c_launch.annotations, f"SIG{s}": c_launch.signature})
+                head = (f"{g0}, {g1}, {g2}, stream, F{s}, COOP{s}, PDL{s}, P{s}, None, None, None, None, None, "
+                        f"ANN{s}, SIG{s}")
+                args = []
         for a, (kind, value, extra) in enumerate(spec):
             if c_launch is not None and kind == 2:
                 names[f"E{s}_{a}"] = encoders[a]
@@ -495,37 +502,80 @@ def _compile_replay(replay: LaunchReplay, raw_pointers: bool | None = None, pool
         for c, value in enumerate(tail):
             names[f"T{s}_{c}"] = value
             args.append(f"T{s}_{c}")
-        lines.append(f"    {'C' if c_launch is not None else 'R'}{s}({', '.join(args)})")
+        if head is not None:
+            lines.append(f"    C{s}({head}, ({''.join(f'{a}, ' for a in args)}))")
+        else:
+            lines.append(f"    {'C' if c_launch is not None else 'R'}{s}({', '.join(args)})")
     lines.append(f"    return [{''.join('None, ' if j in pooled else f'o{j}, ' for j in range(len(replay.allocs)))}]")
     exec(compile("\n".join(lines), f"<LowBit launch replay {id(replay):x}>", "exec"), names)
     return names["replay"]
 
 
-def _direct_launch(run, spec) -> tuple | None:
-    """``(c_launch, cooperative, pdl, encoders)`` when ``run`` (a compiled kernel's launcher) is Triton 3.6's
-    ``CudaLauncher``: its ``__call__(gridX, gridY, gridZ, stream, function, *args)`` allocates no scratch and
-    hands ``(grid, stream, function, cooperative, pdl, None, None, *args)`` to a C function (``launch``), after
-    expanding each host TMA descriptor argument into Triton's own encoding of it (``make_tensordesc_arg``:
-    the CUtensorMap, then the shape and strides). ``encoders`` maps each descriptor argument of ``spec``
-    to :func:`_descriptor_encoder`. ``None`` for any other launcher (other Triton versions): the replay
-    calls ``run`` as before."""
+class DirectLaunch(NamedTuple):
+    """Triton's C launch function under a compiled kernel's launcher, and what a replay passes it besides the
+    kernel's arguments. ``annotations`` / ``signature``: Triton 3.7+'s generic launch function's per-argument
+    annotations and kernel signature (``None`` for Triton 3.6's launcher, made for one kernel)."""
+
+    launch: Any
+    cooperative: bool
+    pdl: bool
+    encoders: dict  # position of a TMA descriptor argument -> its _descriptor_encoder
+    annotations: Any = None
+    signature: Any = None
+
+
+# ``CudaLauncher.__call__``'s parameters, as Triton 3.6 and Triton 3.7 - 3.9 name them
+_CALL_36 = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+_CALL_GENERIC = ["self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+                 "launch_enter_hook", "launch_exit_hook", "args"]
+
+
+def _direct_launch(run, spec) -> DirectLaunch | None:
+    """The C launch function under ``run`` (a compiled kernel's launcher), when ``run`` is one of the two forms
+    of Triton's ``CudaLauncher`` this knows and needs no scratch memory; ``None`` otherwise (other Triton
+    versions, a profiler's or sanitizer's launcher): the replay calls ``run`` as before.
+
+    * Triton 3.6: ``__call__(gridX, gridY, gridZ, stream, function, *args)`` hands ``(grid, stream, function,
+      cooperative, pdl, None, None, *args)`` to a C function made for the kernel (its module's
+      ``_BASE_ARGS_FORMAT`` names the leading arguments).
+    * Triton 3.7 - 3.9: ``__call__(gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+      enter_hook, exit_hook, *args)`` hands ``(grid, stream, function, cooperative, pdl, kernel_metadata,
+      launch_metadata, enter_hook, exit_hook, global_scratch, profile_scratch, arg_annotations,
+      kernel_signature, args)`` to one generic C function.
+
+    Either way the C function is wrapped (``wrap_handle_tensordesc``: a closure named ``inner``) when the
+    kernel takes host TMA descriptors, to expand each into Triton's encoding of it (``make_tensordesc_arg``: the
+    CUtensorMap, then the shape and strides). ``encoders`` does that expansion per descriptor argument of
+    ``spec``, once per address (:func:`_descriptor_encoder`)."""
     import inspect
     import sys
 
     try:
-        if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) \
+                or getattr(run, "gsan_enabled", False):
             return None
-        if list(inspect.signature(type(run).__call__).parameters) != ["self", "gridX", "gridY", "gridZ", "stream",
-                                                                       "function", "args"]:
-            return None
+        params = list(inspect.signature(type(run).__call__).parameters)
         driver = sys.modules.get(type(run).__module__)
-        if getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO":
+        if params == _CALL_36:
+            if getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO":
+                return None
+            generic = None
+        elif params == _CALL_GENERIC:
+            generic = (run.arg_annotations, run.kernel_signature)
+        else:
             return None
-        make_arg = getattr(driver, "make_tensordesc_arg", None)
-        launch, indices, metas = run.launch, set(), []
+        launch, indices, metas, make_arg = run.launch, set(), [], getattr(driver, "make_tensordesc_arg", None)
         if getattr(launch, "__name__", "") == "inner":  # wrap_handle_tensordesc's wrapper around the C function
             cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
-            launch, indices, metas = cells["launcher"], set(cells["tensordesc_indices"]), list(cells["tensordesc_meta"])
+            if "relevant_paths" in cells:  # Triton 3.8+: descriptors found by path, the encoder a closure value
+                paths = cells["relevant_paths"]
+                if any(paths.values()):
+                    return None  # a descriptor inside a tuple argument
+                indices, make_arg = set(paths), _meta_only(cells["make_tensordesc_arg"])
+            else:
+                indices = set(cells["tensordesc_indices"])
+            metas = list(cells["tensordesc_meta"] or ())
+            launch = cells["launcher"]
         described = [a for a, (kind, _, _) in enumerate(spec) if kind == 2]
         if not callable(launch) or set(described) != indices or len(metas) != len(described):
             return None
@@ -535,9 +585,19 @@ def _direct_launch(run, spec) -> tuple | None:
             if meta is None or make_arg is None or getattr(maker, "from_address", None) is None:
                 return None  # a descriptor passed as base, shape and strides: it would hold the tensor
             encoders[a] = _descriptor_encoder(maker.from_address, meta, make_arg)
-        return launch, run.launch_cooperative_grid, run.launch_pdl, encoders
+        return DirectLaunch(launch, run.launch_cooperative_grid, run.launch_pdl, encoders, *(generic or ()))
     except Exception:  # anything unexpected: the launcher as it is
         return None
+
+
+def _meta_only(make_tensordesc_arg):
+    """Triton 3.8+'s ``make_tensordesc_arg(arg, metadata, base_args)`` as a function of the first two, where its
+    third parameter is the unused ``_`` (the CUDA backend's); ``None`` otherwise."""
+    import inspect
+
+    if list(inspect.signature(make_tensordesc_arg).parameters)[2:] != ["_"]:
+        return None
+    return lambda arg, meta: make_tensordesc_arg(arg, meta, None)
 
 
 def _descriptor_encoder(from_address, meta, make_arg):

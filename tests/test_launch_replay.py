@@ -425,6 +425,7 @@ def _fake_triton36_driver(addresses: Addresses, kernel, names: list[str], dtypes
     described = sorted(i for i, t in dtypes.items() if t[0] == "desc")
 
     def c_launch(gx, gy, gz, stream, function, coop, pdl, gscratch, pscratch, packed, meta, enter, leave, *flat):
+        assert function is FUNCTION and packed is PACKED and gscratch is pscratch is meta is enter is leave is None
         runtime, i = [], 0
         for position in range(len(kernel.arg_names) - len(names)):
             a = flat[i]
@@ -471,12 +472,82 @@ def _fake_triton36_driver(addresses: Addresses, kernel, names: list[str], dtypes
     return CudaLauncher(), module
 
 
-@pytest.mark.parametrize("name", ["int8-pointer", "convrot-tma-persistent-sub", "hadanorm-split-k-tma"])
-def test_a_direct_replay_calls_the_c_launch_and_encodes_each_descriptor_once_per_address(name, raw_interpreted,
-                                                                                           monkeypatch):
-    """Where a compiled kernel's launcher is Triton 3.6's, a replay calls its C launch function itself, with each
-    TMA descriptor already expanded; an address seen before is not encoded again. Same bits as the ordinary
-    launches."""
+def _generic_triton_launcher(addresses: Addresses, kernel, names: list[str], dtypes: dict, ran: list):
+    """The installed Triton's own ``CudaLauncher`` (Triton 3.7+: one generic C launch function) around ``kernel``:
+    the real class, its real ``__call__`` and its real descriptor wrapper (``wrap_handle_tensordesc``), with two
+    stand-ins – the C launch function, which checks the annotations and signature it is handed, rebuilds the
+    kernel's arguments from the expanded tuple and runs the kernel in the interpreter, and
+    ``make_tensordesc_arg``, where the descriptor itself stands for its CUtensorMap."""
+    import inspect
+    import types
+
+    import triton
+    import triton.backends.driver as generic_driver
+    nvidia = pytest.importorskip("triton.backends.nvidia.driver")
+    cls = nvidia.CudaLauncher
+    if list(inspect.signature(cls.__call__).parameters) != launcher._CALL_GENERIC:
+        pytest.skip(f"the installed Triton {triton.__version__} has no generic launcher")
+    record = types.SimpleNamespace(encoded=[], python_calls=0)
+    described = sorted(i for i, t in dtypes.items() if t[0] == "desc")
+    run = cls.__new__(cls)
+
+    def make_tensordesc_arg(arg, metadata, _=None):
+        assert metadata == {"swizzle": 128}
+        record.encoded.append(arg.base.data_ptr())
+        return [arg, *arg.shape, *arg.strides]
+
+    def c_launch(gx, gy, gz, stream, function, coop, pdl, packed, meta, enter, leave, gscratch, pscratch, annotations,
+                 signature, flat):
+        assert annotations is run.arg_annotations and signature is run.kernel_signature
+        assert function is FUNCTION and packed is PACKED and meta is enter is leave is None
+        assert gscratch is None and pscratch is None and coop is False and pdl is False
+        runtime, i = [], 0
+        for position in range(len(kernel.arg_names) - len(names)):
+            a = flat[i]
+            if position in described:
+                i += 1 + 2 * len(a.shape)
+                start = addresses.tensor(a.base.data_ptr(), dtypes[position][1])
+                a = type(a).from_tensor(start[:math.prod(a.shape)].view(tuple(a.shape)), list(a.block_shape))
+                addresses.raw_args += 1
+            else:
+                i += 1
+                if type(a) is int and position in dtypes:
+                    a = addresses.tensor(a, dtypes[position][1])
+                    addresses.raw_args += 1
+            runtime.append(a)
+        ran.append(kernel)
+        kernel[(gx, gy, gz)](*runtime, **dict(zip(names, flat[i:])))
+
+    signature = {name: "tensordesc<i8[32, 64]>" if i in described else "i32"
+                 for i, name in enumerate(kernel.arg_names)}
+    metas = [{"swizzle": 128}] * len(described)
+    if hasattr(generic_driver, "wrap_handle_tensordesc_impl"):  # Triton 3.8+
+        run.launch = generic_driver.wrap_handle_tensordesc_impl(c_launch, signature, metas, make_tensordesc_arg)
+    else:  # Triton 3.7: the wrapper calls the module's make_tensordesc_arg
+        pytest.MonkeyPatch().setattr(nvidia, "make_tensordesc_arg", make_tensordesc_arg)
+        run.launch = nvidia.wrap_handle_tensordesc(c_launch, signature, metas)
+    run.arg_annotations, run.kernel_signature = object(), object()
+    run.num_ctas, run.gsan_enabled = 1, False
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch_cooperative_grid = run.launch_pdl = False
+    real_call = cls.__call__
+
+    class Counted(cls):  # the real __call__, counted
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                     launch_enter_hook, launch_exit_hook, *args):
+            record.python_calls += 1
+            return real_call(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                             launch_enter_hook, launch_exit_hook, *args)
+    Counted.__module__ = cls.__module__
+    run.__class__ = Counted
+    return run, record
+
+
+def _check_direct_replay(name, raw_interpreted, monkeypatch, make_launcher):
+    """A replay of ``name``'s plan whose recorded launches are ``make_launcher``'s stand-ins for Triton's
+    ``CudaLauncher`` calls the C launch function itself, with each TMA descriptor already expanded, and encodes an
+    address seen before only once. Same bits as the ordinary launches."""
     ran, drivers = [], []
 
     def remember(self, key, compiled, constexprs):
@@ -492,9 +563,9 @@ def test_a_direct_replay_calls_the_c_launch_and_encodes_each_descriptor_once_per
             ran.append(self.kernel)
             self.kernel[(gx, gy, gz)](*runtime, **dict(zip(names, args[len(args) - len(names):])))
             if not isinstance(self._compiled[key][0], tuple):
-                run, module = _fake_triton36_driver(raw_interpreted, self.kernel, names, dtypes, ran)
+                run, module = make_launcher(raw_interpreted, self.kernel, names, dtypes, ran)
                 drivers.append(module)
-                self._compiled[key] = (run, None, None)
+                self._compiled[key] = (run, FUNCTION, PACKED)
         self._compiled[key] = (first, None, None)
     monkeypatch.setattr(TritonLauncher, "_remember", remember)
     plan, call = _w8a8(name)
@@ -503,6 +574,7 @@ def test_a_direct_replay_calls_the_c_launch_and_encodes_each_descriptor_once_per
     call(_inputs("tensor", 19, 2))
     (_, replay), = plan.replays.entries.items()
     assert isinstance(replay, LaunchReplay)
+    assert all(launcher._direct_launch(step[0], step[6]) is not None for step in replay.steps)
     replay.fn = launcher._compile_replay(replay, raw_pointers=True)  # as a CUDA device's replay is made
     weights = call.__defaults__[0]
     raw_interpreted.add(*weights.values())
@@ -522,3 +594,51 @@ def test_a_direct_replay_calls_the_c_launch_and_encodes_each_descriptor_once_per
         else:  # the weight's descriptor is the one encoded before (the codes' and output's may be new addresses)
             assert weights["weight"].data_ptr() not in new and len(new) <= max(0, n_descriptors - 1)
         assert torch.equal(replayed, _ordinary(plan, x, call))
+    return drivers
+
+
+FUNCTION, PACKED = object(), object()  # a compiled kernel's function handle and packed metadata, as recorded
+DIRECT = ["int8-pointer", "convrot-tma-persistent-sub", "hadanorm-split-k-tma"]
+
+
+@pytest.mark.parametrize("name", DIRECT)
+def test_a_direct_replay_calls_the_c_launch_and_encodes_each_descriptor_once_per_address(name, raw_interpreted,
+                                                                                           monkeypatch):
+    """Triton 3.6's launcher (a stand-in of its shape: the C function is made for the kernel)."""
+    _check_direct_replay(name, raw_interpreted, monkeypatch, _fake_triton36_driver)
+
+
+@pytest.mark.parametrize("name", DIRECT)
+def test_a_direct_replay_calls_triton_generic_c_launch(name, raw_interpreted, monkeypatch):
+    """Triton 3.7+'s launcher, the installed Triton's real class and descriptor wrapper: its recorded launches ran
+    through the real ``__call__`` (which hands the C function the annotations, the signature and the arguments
+    as one tuple); the replays do not."""
+    import triton.runtime
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", object())  # what __call__ looks up first (no GPU here)
+    drivers = _check_direct_replay(name, raw_interpreted, monkeypatch, _generic_triton_launcher)
+    assert sum(d.python_calls for d in drivers) >= 2, "the recorded (and ordinary) calls went through the real __call__"
+
+
+def test_an_unknown_launcher_is_called_as_it_is():
+    """A launcher of neither known form, or one that needs scratch memory, is not bypassed."""
+    class Other:
+        global_scratch_size = profile_scratch_size = 0
+
+        def __call__(self, grid, stream, *args):
+            pass
+
+    assert launcher._direct_launch(Other(), ()) is None
+    run, _ = _generic_launcher_without_kernel()
+    assert launcher._direct_launch(run, ()) is not None
+    run.global_scratch_size = 128
+    assert launcher._direct_launch(run, ()) is None
+    run.global_scratch_size, run.gsan_enabled = 0, True
+    assert launcher._direct_launch(run, ()) is None
+
+
+def _generic_launcher_without_kernel():
+    def kernel():
+        pass
+    kernel.arg_names = []
+    return _generic_triton_launcher(Addresses(), kernel, [], {}, [])
