@@ -150,12 +150,12 @@ def test_profile_groups_cublas_nvjet_kernels_as_gemm(monkeypatch):
 
 def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
     """``diag_flux_error.py`` at the tiny size: every variant ran, the layer groups split the quantized
-    layers exactly (``only:<g>`` counts add up to ``all``, ``all_but:<g>`` is the rest), and keeping
-    layers in bf16 never quantizes more of them."""
+    layers exactly (``only:<g>`` counts add up to ``all``, ``all_but:<g>`` is the rest), keeping
+    layers in bf16 never quantizes more of them, and the bf16 model is close to its fp32 copy."""
     out = tmp_path / "err.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(GPU_DIR / "diag_flux_error.py"), "--size", "tiny", "--device", "cpu",
-                           "--modes", "int8_convrot", "--attention-backend", "math", "--out", str(out)],
+                           "--modes", "int8_convrot", "--attention-backend", "math", "--fp32", "--out", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -170,6 +170,8 @@ def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
         assert rows[f"only:{g}"]["quantized_layers"] > 0
         assert rows[f"all_but:{g}"]["quantized_layers"] == total - rows[f"only:{g}"]["quantized_layers"]
     assert all(row["rel_err"] > 0 for row in rows.values()) and report["bf16_self"] >= 0
+    # bf16 against its fp32 copy, both embedding the same timestep and guidance: a rounding-sized error
+    assert 0 < report["bf16_vs_fp32"] < 0.05
 
 
 def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp_path):

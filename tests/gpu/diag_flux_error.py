@@ -18,6 +18,10 @@ Layer groups (names relative to the diffusion model): ``mod`` (the per-block mod
 one row a call at batch 1), ``double_attn`` (qkv and output projections of the double blocks),
 ``double_mlp``, ``single_linear1``, ``single_linear2``.
 
+With ``--fp32``, also ``bf16_vs_fp32``: the bf16 model's own error against an fp32 copy of it (the same
+weights; fp32 activations and attention): how far the bf16 reference itself is from exact arithmetic
+on this model, for scale.
+
 Also reported: ``bf16_self``, the error of a second bf16 forward with the Attention Backend node's
 backend (what attention alone moves; ``--attention-backend``). Not a pytest file; ``--size tiny
 --device cpu`` is a quick smoke run of the same code.
@@ -55,6 +59,25 @@ def forward(dm, args, options=None) -> torch.Tensor:
         return dm(x, t, ctx, y=y, guidance=g, **opts).float()
 
 
+def bf16_vs_fp32(dm, args) -> float:
+    """The relative error of ``dm`` (bf16) against an fp32 copy of it: the bf16 weights, exactly, in fp32, with
+    fp32 inputs and compute. Both get the timestep and guidance in fp32, as ComfyUI's samplers pass them:
+    given in bf16, ``timestep_embedding`` scales them by 1000 in bf16 (3.5 becomes 3504) and the fp32 copy
+    would embed another guidance."""
+    import copy
+
+    x, t, ctx, y, g = args
+    ours = forward(dm, (x, t.float(), ctx, y, g.float()))
+    dm32 = copy.deepcopy(dm).float()
+    try:
+        exact = forward(dm32, [a.float() for a in args])
+    finally:
+        del dm32
+        if x.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return bench.rel_err(ours, exact)
+
+
 def variants(groups: list[str]) -> list[tuple[str, tuple[str, ...], bool]]:
     """(label, extra keep-float patterns, weights only) per measured variant."""
     rows = [("all", (), False), ("weights_only", (), True)]
@@ -70,6 +93,8 @@ def run(argv=None) -> dict:
     p.add_argument("--modes", nargs="+", default=["fp8_rowwise", "int8_convrot"])
     p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--fp32", action="store_true",
+                   help="also the bf16 model's own error against an fp32 copy of it (same weights, fp32 compute)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -88,6 +113,9 @@ def run(argv=None) -> dict:
     args = bench.inputs(a.size, device)
     ref = forward(dm, args)
     report["bf16_self"] = bench.rel_err(forward(dm, args, bench.attention_options(a.attention_backend)), ref)
+    if a.fp32:
+        report["bf16_vs_fp32"] = bf16_vs_fp32(dm, args)
+        log.info("bf16 against fp32: %.4f", report["bf16_vs_fp32"])
     for mode in a.modes:
         rows = {}
         for label, keep, weights_only in variants(a.groups):
