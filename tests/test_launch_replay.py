@@ -404,6 +404,28 @@ def test_a_replay_passing_addresses_refuses_a_tensor_on_another_device(raw_inter
     assert on_gpu(inputs, 0) is None
 
 
+def _run_expanded(addresses: Addresses, kernel, names: list[str], dtypes: dict, described: list[int], grid: tuple,
+                  flat) -> None:
+    """Run ``kernel`` in the interpreter from the arguments a C launch function receives: each descriptor
+    expanded (itself standing for its CUtensorMap, then its shape and strides), each tensor an address,
+    the constexprs last. Descriptors and addresses are mapped back to the known tensors."""
+    runtime, i = [], 0
+    for position in range(len(kernel.arg_names) - len(names)):
+        a = flat[i]
+        if position in described:
+            i += 1 + 2 * len(a.shape)
+            start = addresses.tensor(a.base.data_ptr(), dtypes[position][1])
+            a = type(a).from_tensor(start[:math.prod(a.shape)].view(tuple(a.shape)), list(a.block_shape))
+            addresses.raw_args += 1
+        else:
+            i += 1
+            if type(a) is int and position in dtypes:
+                a = addresses.tensor(a, dtypes[position][1])
+                addresses.raw_args += 1
+        runtime.append(a)
+    kernel[grid](*runtime, **dict(zip(names, flat[i:])))
+
+
 def _fake_triton36_driver(addresses: Addresses, kernel, names: list[str], dtypes: dict, ran: list):
     """A stand-in for Triton 3.6's ``CudaLauncher`` around ``kernel``, as :func:`launcher._direct_launch` expects
     it: ``__call__(gridX, gridY, gridZ, stream, function, *args)``, a module with ``_BASE_ARGS_FORMAT`` and
@@ -426,23 +448,8 @@ def _fake_triton36_driver(addresses: Addresses, kernel, names: list[str], dtypes
 
     def c_launch(gx, gy, gz, stream, function, coop, pdl, gscratch, pscratch, packed, meta, enter, leave, *flat):
         assert function is FUNCTION and packed is PACKED and gscratch is pscratch is meta is enter is leave is None
-        runtime, i = [], 0
-        for position in range(len(kernel.arg_names) - len(names)):
-            a = flat[i]
-            if position in described:
-                ndim = len(a.shape)
-                i += 1 + 2 * ndim
-                start = addresses.tensor(a.base.data_ptr(), dtypes[position][1])
-                a = type(a).from_tensor(start[:math.prod(a.shape)].view(tuple(a.shape)), list(a.block_shape))
-                addresses.raw_args += 1
-            else:
-                i += 1
-                if type(a) is int and position in dtypes:
-                    a = addresses.tensor(a, dtypes[position][1])
-                    addresses.raw_args += 1
-            runtime.append(a)
+        _run_expanded(addresses, kernel, names, dtypes, described, (gx, gy, gz), flat)
         ran.append(kernel)
-        kernel[(gx, gy, gz)](*runtime, **dict(zip(names, flat[i:])))
 
     def wrap(launcher, tensordesc_indices, tensordesc_meta):
         def inner(*args):  # as Triton 3.6's wrap_handle_tensordesc writes it
@@ -501,22 +508,8 @@ def _generic_triton_launcher(addresses: Addresses, kernel, names: list[str], dty
         assert annotations is run.arg_annotations and signature is run.kernel_signature
         assert function is FUNCTION and packed is PACKED and meta is enter is leave is None
         assert gscratch is None and pscratch is None and coop is False and pdl is False
-        runtime, i = [], 0
-        for position in range(len(kernel.arg_names) - len(names)):
-            a = flat[i]
-            if position in described:
-                i += 1 + 2 * len(a.shape)
-                start = addresses.tensor(a.base.data_ptr(), dtypes[position][1])
-                a = type(a).from_tensor(start[:math.prod(a.shape)].view(tuple(a.shape)), list(a.block_shape))
-                addresses.raw_args += 1
-            else:
-                i += 1
-                if type(a) is int and position in dtypes:
-                    a = addresses.tensor(a, dtypes[position][1])
-                    addresses.raw_args += 1
-            runtime.append(a)
+        _run_expanded(addresses, kernel, names, dtypes, described, (gx, gy, gz), flat)
         ran.append(kernel)
-        kernel[(gx, gy, gz)](*runtime, **dict(zip(names, flat[i:])))
 
     signature = {name: "tensordesc<i8[32, 64]>" if i in described else "i32"
                  for i, name in enumerate(kernel.arg_names)}
