@@ -479,6 +479,66 @@ def _fake_triton36_driver(addresses: Addresses, kernel, names: list[str], dtypes
     return CudaLauncher(), module
 
 
+def _fake_triton37_driver(addresses: Addresses, kernel, names: list[str], dtypes: dict, ran: list):
+    """A stand-in for Triton 3.7's ``CudaLauncher`` (not installed here; its source): the generic ``__call__``
+    and C launch function of 3.8, with 3.7's descriptor wrapper, whose closure holds ``tensordesc_indices`` and
+    calls its module's two-argument ``make_tensordesc_arg`` (here the descriptor itself stands for its
+    CUtensorMap)."""
+    import sys
+    import types
+
+    module = types.ModuleType("fake_triton37_driver")
+    module.encoded, module.python_calls = [], 0
+
+    def make_tensordesc_arg(arg, metadata):
+        assert metadata == {"swizzle": 128}
+        module.encoded.append(arg.base.data_ptr())
+        return [arg, *arg.shape, *arg.strides]
+    module.make_tensordesc_arg = make_tensordesc_arg
+    sys.modules[module.__name__] = module
+    described = sorted(i for i, t in dtypes.items() if t[0] == "desc")
+
+    def c_launch(gx, gy, gz, stream, function, coop, pdl, packed, meta, enter, leave, gscratch, pscratch, annotations,
+                 signature, flat):
+        assert annotations == "annotations" and signature == "signature"
+        assert function is FUNCTION and packed is PACKED and meta is enter is leave is gscratch is pscratch is None
+        _run_expanded(addresses, kernel, names, dtypes, described, (gx, gy, gz), flat)
+        ran.append(kernel)
+
+    def wrap(launcher, tensordesc_indices, tensordesc_meta):
+        def inner(*args):  # as Triton 3.7's wrap_handle_tensordesc writes it
+            base_args = args[:-1]
+            kernel_args = args[-1]
+            final_kernel_args = []
+            tensordesc_idx = 0
+            for i, arg in enumerate(kernel_args):
+                if i in tensordesc_indices:
+                    final_kernel_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                    tensordesc_idx += 1
+                else:
+                    final_kernel_args.append(arg)
+            return launcher(*base_args, final_kernel_args)
+        return inner
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+        arg_annotations, kernel_signature = "annotations", "signature"
+
+        def __init__(self):
+            self.launch = wrap(c_launch, set(described), [{"swizzle": 128}] * len(described)) if described \
+                else c_launch
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                     launch_enter_hook, launch_exit_hook, *args):
+            module.python_calls += 1
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                        kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, None, None,
+                        self.arg_annotations, self.kernel_signature, args)
+    CudaLauncher.__module__ = module.__name__
+    return CudaLauncher(), module
+
+
 def _generic_triton_launcher(addresses: Addresses, kernel, names: list[str], dtypes: dict, ran: list):
     """The installed Triton's own ``CudaLauncher`` (Triton 3.7+: one generic C launch function) around ``kernel``:
     the real class, its real ``__call__`` and its real descriptor wrapper (``wrap_handle_tensordesc``), with two
@@ -599,6 +659,12 @@ def test_a_direct_replay_calls_the_c_launch_and_encodes_each_descriptor_once_per
                                                                                            monkeypatch):
     """Triton 3.6's launcher (a stand-in of its shape: the C function is made for the kernel)."""
     _check_direct_replay(name, raw_interpreted, monkeypatch, _fake_triton36_driver)
+
+
+@pytest.mark.parametrize("name", DIRECT)
+def test_a_direct_replay_calls_triton37_generic_c_launch(name, raw_interpreted, monkeypatch):
+    """Triton 3.7's launcher (a stand-in of its shape: the generic C function, 3.7's descriptor wrapper)."""
+    _check_direct_replay(name, raw_interpreted, monkeypatch, _fake_triton37_driver)
 
 
 @pytest.mark.parametrize("name", DIRECT)
