@@ -61,9 +61,10 @@ def forward(dm, args, options=None) -> torch.Tensor:
 
 def bf16_vs_fp32(dm, args) -> float:
     """The relative error of ``dm`` (bf16) against an fp32 copy of it: the bf16 weights, exactly, in fp32, with
-    fp32 inputs and compute. Both get the timestep and guidance in fp32, as ComfyUI's samplers pass them:
-    given in bf16, ``timestep_embedding`` scales them by 1000 in bf16 (3.5 becomes 3504) and the fp32 copy
-    would embed another guidance."""
+    fp32 inputs and compute. Both get the timestep and guidance in fp32, so that both embed the same values.
+    (ComfyUI itself casts the guidance to the model's dtype, and ``timestep_embedding`` scales it by 1000 in
+    that dtype: a bf16 model embeds guidance 3.5 as 3504, an fp32 one as 3500, a difference of inputs rather
+    than of arithmetic.)"""
     import copy
 
     x, t, ctx, y, g = args
