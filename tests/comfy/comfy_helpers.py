@@ -198,6 +198,11 @@ def run_flux(model_patcher, seed: int = 0, load: bool = True) -> torch.Tensor:
     return out.float().cpu()
 
 
+def flux_runner(model_patcher, output_0: torch.Tensor | None = None):
+    """``seed -> run_flux(model_patcher, seed)``, giving ``output_0`` for input 0 where it was already run."""
+    return lambda seed: output_0 if seed == 0 and output_0 is not None else run_flux(model_patcher, seed)
+
+
 # ---- stock ComfyUI against LowBit on the same quantized weights -------------------------------------
 
 def assert_same_quantized_tensor(layer: str, ours, stock) -> None:
@@ -261,30 +266,69 @@ def assert_same_quantized_weights(ours, stock) -> int:
 #: value by 1/7 of its row range and the tiny model amplifies it: W4A4 measured 34 dB on an H200
 #: (11 dB from float), so 20 dB; the W4A8 file quantizes only 2 layers: 51 dB measured, so 40 dB.
 CUDA_STOCK_AGREEMENT_DB = {"int8": 30.0, "int8_convrot": 30.0, "w4a4": 20.0, "w4a8": 40.0}
-#: CUDA only: how much farther from the float model LowBit's output may be than stock ComfyUI's
-#: (the kernels' rounding differences are random, not a bias: both are as close to float)
+#: CUDA, where stock ComfyUI runs comfy-kitchen's *eager* numerics (kitchen without its CUDA extension,
+#: or ComfyUI turned that backend off: it does under torch older than cu130). INT8 is the same W8A8
+#: arithmetic there (34.2 dB measured for int8_convrot on an H200). W4A4 is not: kitchen's eager
+#: ``convrot_w4a4_linear`` quantizes activations to 4 bits whatever ``linear_dtype`` says, while its
+#: CUDA kernels and LowBit use 8 on a GPU without INT4 tensor cores (16.5 dB apart on an H200, stock
+#: the farther from float: 12.5 against 13.7 dB). ``None``: not the same numerics, so no agreement
+#: bound; the float-error check below still holds.
+STOCK_EAGER_AGREEMENT_DB = {"int8": 30.0, "int8_convrot": 30.0, "w4a4": None, "w4a8": 40.0}
+#: CUDA only: how much farther from the float model LowBit's output may be than stock ComfyUI's, in the
+#: mean over :func:`stock_comparison_seeds` inputs (the kernels' rounding differences are random, not a
+#: bias: both are as close to float). One input is not enough: over six inputs on an H200, LowBit's
+#: int8_convrot SQNR minus stock's ran from -1.2 to +1.9 dB per input (mean +0.4), int8 from -1.1 to
+#: +2.0 (mean +0.2); input 0 alone was the -1.2.
 CUDA_FLOAT_ERROR_SLACK_DB = 1.5
 
 
-def assert_matches_stock(fmt: str, stock_out: torch.Tensor, lowbit_out: torch.Tensor,
-                         float_out: torch.Tensor | None = None, what: str = "output") -> None:
+def stock_comparison_seeds() -> tuple[int, ...]:
+    """The inputs stock ComfyUI and LowBit are compared on: one on the CPU (the same bits), four on CUDA."""
+    return (0, 1, 2, 3) if on_cuda() else (0,)
+
+
+def stock_runs_kitchen_cuda() -> bool:
+    """Whether stock ComfyUI's quantized layers run comfy-kitchen's CUDA kernels here: a CUDA device,
+    kitchen's CUDA backend registered, and not turned off (ComfyUI turns it off under torch < cu130)."""
+    if not on_cuda():
+        return False
+    from comfy_kitchen.registry import registry
+
+    return registry.is_available("cuda")
+
+
+def assert_matches_stock(fmt: str, stock_run, lowbit_run, float_run=None, what: str = "output") -> None:
     """Stock ComfyUI's run against LowBit's run of the same quantized weights.
 
-    CPU: bit-identical (both run comfy-kitchen's eager numerics). CUDA: within
-    :data:`CUDA_STOCK_AGREEMENT_DB` of each other and, given ``float_out``, LowBit no more than
-    :data:`CUDA_FLOAT_ERROR_SLACK_DB` farther from the float model than stock ComfyUI is. (That both
-    sides load the same tensors and that LowBit matches itself bit for bit are checked separately.)
+    Each ``*_run`` maps an input seed to an output (``functools.partial(run_flux, model)``); they are
+    called for every seed of :func:`stock_comparison_seeds`. CPU: bit-identical (both run
+    comfy-kitchen's eager numerics). CUDA: within :data:`CUDA_STOCK_AGREEMENT_DB` of each other on
+    every input (:data:`STOCK_EAGER_AGREEMENT_DB` where stock runs kitchen's eager numerics) and, given
+    ``float_run``, LowBit on average no more than :data:`CUDA_FLOAT_ERROR_SLACK_DB` farther from the
+    float model than stock ComfyUI is. (That both sides load the same tensors and that LowBit matches
+    itself bit for bit are checked separately.)
     """
+    seeds = stock_comparison_seeds()
+    stock_outs, lowbit_outs = [stock_run(s) for s in seeds], [lowbit_run(s) for s in seeds]
     if not on_cuda():
-        assert torch.equal(stock_out, lowbit_out), \
-            f"{fmt} {what}: stock and LowBit differ on the CPU, max |diff| {(stock_out - lowbit_out).abs().max():.3e}"
+        for seed, stock_out, lowbit_out in zip(seeds, stock_outs, lowbit_outs):
+            assert torch.equal(stock_out, lowbit_out), (
+                f"{fmt} {what} (input {seed}): stock and LowBit differ on the CPU, "
+                f"max |diff| {(stock_out - lowbit_out).abs().max():.3e}")
         return
-    agreement = sqnr_db(stock_out, lowbit_out)
-    assert agreement > CUDA_STOCK_AGREEMENT_DB[fmt], (
-        f"{fmt} {what}: stock vs LowBit {agreement:.1f} dB (want > {CUDA_STOCK_AGREEMENT_DB[fmt]}), "
-        f"max |diff| {(stock_out - lowbit_out).abs().max():.3e} on values up to {stock_out.abs().max():.2f}")
-    if float_out is not None:
-        ours, stock = sqnr_db(float_out, lowbit_out), sqnr_db(float_out, stock_out)
-        assert ours > stock - CUDA_FLOAT_ERROR_SLACK_DB, (
-            f"{fmt} {what}: LowBit is {ours:.1f} dB from float, stock {stock:.1f} dB "
-            f"(stock vs LowBit {agreement:.1f} dB)")
+    kitchen_cuda = stock_runs_kitchen_cuda()
+    bound = (CUDA_STOCK_AGREEMENT_DB if kitchen_cuda else STOCK_EAGER_AGREEMENT_DB)[fmt]
+    stock_numerics = "kitchen's CUDA kernels" if kitchen_cuda else "kitchen's eager numerics"
+    for seed, stock_out, lowbit_out in zip(seeds, stock_outs, lowbit_outs):
+        agreement = sqnr_db(stock_out, lowbit_out)
+        assert bound is None or agreement > bound, (
+            f"{fmt} {what} (input {seed}): stock ({stock_numerics}) vs LowBit {agreement:.1f} dB (want > {bound}), "
+            f"max |diff| {(stock_out - lowbit_out).abs().max():.3e} on values up to {stock_out.abs().max():.2f}")
+    if float_run is not None:
+        float_outs = [float_run(s) for s in seeds]
+        ours = [sqnr_db(f, o) for f, o in zip(float_outs, lowbit_outs)]
+        stock = [sqnr_db(f, o) for f, o in zip(float_outs, stock_outs)]
+        mean_ours, mean_stock = sum(ours) / len(ours), sum(stock) / len(stock)
+        assert mean_ours > mean_stock - CUDA_FLOAT_ERROR_SLACK_DB, (
+            f"{fmt} {what}: LowBit is {mean_ours:.1f} dB from float on average, stock ({stock_numerics}) "
+            f"{mean_stock:.1f} dB (per input: LowBit {[round(v, 1) for v in ours]}, stock {[round(v, 1) for v in stock]})")

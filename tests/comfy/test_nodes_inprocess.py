@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from comfy_helpers import (assert_matches_stock, assert_same_quantized_weights, load_stock, require_comfy, run_flux,
-                           sqnr_db, tiny_flux_bf16)
+from comfy_helpers import (assert_matches_stock, assert_same_quantized_weights, flux_runner, load_stock, require_comfy,
+                           run_flux, sqnr_db, tiny_flux_bf16)
 
 require_comfy()
 
@@ -199,7 +199,7 @@ def test_native_state_dict_round_trips_through_stock_comfyui(float_model, float_
     ours = run_flux(quantized)
     lowbit_reloaded = load_lowbit_diffusion_model(str(path), LoadSettings(mode="native"))
     assert torch.equal(run_flux(lowbit_reloaded), ours)
-    assert_matches_stock(MODE, run_flux(reloaded), ours, float_output)
+    assert_matches_stock(MODE, flux_runner(reloaded), flux_runner(quantized, ours), flux_runner(float_model, float_output))
 
 
 def test_model_copy_shares_weight_storage_but_no_load_state(float_model):
@@ -256,7 +256,7 @@ def test_loader_quantizes_while_loading_like_the_quantize_node(models_dir, float
         _load("flux.safetensors", MODE, keep_float="img_mod(")
 
 
-def test_loader_reads_a_native_file_as_stock_comfyui_does(models_dir, float_output):
+def test_loader_reads_a_native_file_as_stock_comfyui_does(models_dir, float_model, float_output):
     state_dict, _ = quantize_state_dict(tiny_flux_bf16(), Policy(mode=MODE))
     path = save_checkpoint(state_dict, models_dir / "flux_int8.safetensors")
     loaded = _load("flux_int8.safetensors", "native")
@@ -264,7 +264,7 @@ def test_loader_reads_a_native_file_as_stock_comfyui_does(models_dir, float_outp
     stock = load_stock(comfy.utils.load_torch_file(str(path)))
     assert assert_same_quantized_weights(loaded, stock) == 26
     # bit for bit on the CPU; on CUDA stock runs comfy-kitchen's kernels, LowBit its own
-    assert_matches_stock(MODE, run_flux(stock), run_flux(loaded), float_output)
+    assert_matches_stock(MODE, flux_runner(stock), flux_runner(loaded), flux_runner(float_model, float_output))
     converted = _load("flux_int8.safetensors", "fp8_rowwise")  # an already quantized file, converted again
     assert {fmt for _, fmt, _ in quantized_layers(converted)} == {"fp8_rowwise"}
 

@@ -5,6 +5,8 @@ LowBit's) within ``comfy_helpers.CUDA_STOCK_AGREEMENT_DB``."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -21,11 +23,16 @@ from lowbit.nodes.save import write_checkpoint  # noqa: E402
 nodes = comfy_nodes()  # ComfyUI's nodes.py, not this repository's nodes/ package
 
 
-def _sample(model) -> torch.Tensor:
+def _sample(model, seed: int = 0) -> torch.Tensor:
     latent = {"samples": torch.zeros(1, 16, 8, 8)}
-    context = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(1))
-    cond = [[context, {"pooled_output": torch.randn(1, 32, generator=torch.Generator().manual_seed(2))}]]
-    return nodes.common_ksampler(model, 42, 2, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+    context = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(1 + 2 * seed))
+    cond = [[context, {"pooled_output": torch.randn(1, 32, generator=torch.Generator().manual_seed(2 + 2 * seed))}]]
+    return nodes.common_ksampler(model, 42 + seed, 2, 1.0, "euler", "simple", cond, cond, latent)[0]["samples"]
+
+
+def _sampler(model, latents_0: torch.Tensor):
+    """``seed -> _sample(model, seed)``, giving ``latents_0`` for seed 0 (already sampled)."""
+    return lambda seed: latents_0 if seed == 0 else _sample(model, seed)
 
 
 @pytest.mark.parametrize("mode", ["int8_convrot", "int8", "fp8_rowwise"])
@@ -42,7 +49,8 @@ def test_saved_file_samples_the_in_memory_latents(models_dir, mode):
     assert torch.equal(in_memory, _sample(reloaded)), "LowBit's loader runs the saved file as the in-memory model"
     if mode != "fp8_rowwise":  # a LowBit-only format: stock UNETLoader cannot read it
         stock = nodes.UNETLoader().load_unet("saved.safetensors", "default")[0]
-        assert_matches_stock(mode, _sample(stock), in_memory, float_latents, what="latents")
+        assert_matches_stock(mode, functools.partial(_sample, stock), _sampler(quantized, in_memory),
+                             _sampler(float_model, float_latents), what="latents")
 
 
 def test_saved_metadata_records_the_policy_even_without_workflow_metadata(models_dir):
