@@ -16,10 +16,14 @@ assumptions. (Each argument position takes one type in LowBit's kernels, so an i
 float ``1.0`` never compete for one key.)
 
 The fast path is feature-detected: it is used only when the object ``kernel[grid]`` returns has
-``run``, ``function`` and ``packed_metadata`` (Triton 3.2 – 3.8), when no launch hooks are set
+``run``, ``function`` and ``packed_metadata`` (Triton 3.2 – 3.9), when no launch hooks are set
 (profilers), and never in the CPU interpreter (``TRITON_INTERPRET=1``, where there is no compiled
 kernel). If a fast launch raises, the launcher logs once, stops using the fast path for that kernel
 and launches through ``kernel[grid]``. ``LOWBIT_TRITON_FAST_LAUNCH=0`` turns it off everywhere.
+
+Every kernel is compiled with FP fusion on (``enable_fp_fusion=True``, multiply-adds contracted to FMAs)
+unless its launch says otherwise: Triton's default through 3.9, under which every kernel was checked on
+the GPU. Triton 3.9 warns that its default becomes off in 3.10; naming it keeps the numerics as measured.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from .backend import interpreting
 log = logging.getLogger(__name__)
 
 _MAX_KEYS = 4096
+#: compile options every launch gets unless it names them (see the module docstring)
+_COMPILE_DEFAULTS = {"enable_fp_fusion": True}
 
 
 def fast_launch_enabled() -> bool:
@@ -112,7 +118,7 @@ class TritonLauncher:
                 return
             except Exception as err:  # an API that does not match: never again for this kernel
                 self._disable(f"{type(err).__name__}: {err}")
-        compiled = self.kernel[tuple(grid)](*args, **constexprs, **options)
+        compiled = self.kernel[tuple(grid)](*args, **constexprs, **{**_COMPILE_DEFAULTS, **options})
         self.slow_launches += 1
         if self.disabled_reason is None and key is not None:
             self._remember(key, compiled, constexprs)

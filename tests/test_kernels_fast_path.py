@@ -146,7 +146,8 @@ def test_launcher_caches_the_compiled_kernel_and_launches_it_directly(compiled_m
     fast = launcher.TritonLauncher(jit)
     x = torch.zeros(64)
     fast.launch((4,), (x, 64), {"BLOCK": 16}, num_warps=4)
-    assert len(jit.slow_calls) == 1 and jit.slow_calls[0][2] == {"BLOCK": 16, "num_warps": 4}
+    # compiled with FP fusion named (Triton 3.10 turns its default off; every kernel was checked with it on)
+    assert len(jit.slow_calls) == 1 and jit.slow_calls[0][2] == {"BLOCK": 16, "num_warps": 4, "enable_fp_fusion": True}
     fast.launch((4,), (x, 64), {"BLOCK": 16}, num_warps=4)
     fast.launch((2, 3), (x, 64), {"BLOCK": 16}, num_warps=4)
     assert len(jit.slow_calls) == 1 and fast.fast_launches == 2
@@ -157,6 +158,15 @@ def test_launcher_caches_the_compiled_kernel_and_launches_it_directly(compiled_m
     fast.launch((4,), (x, 64), {"BLOCK": 32}, num_warps=4)
     fast.launch((4,), (x[1:], 64), {"BLOCK": 16}, num_warps=4)
     assert len(jit.slow_calls) == 4
+
+
+def test_a_launch_that_names_fp_fusion_keeps_its_choice(compiled_mode):
+    jit = _FakeJit(_FakeCompiled())
+    fast = launcher.TritonLauncher(jit)
+    x = torch.zeros(64)
+    fast.launch((4,), (x, 64), {"BLOCK": 16}, num_warps=4, enable_fp_fusion=False)
+    fast.launch((4,), (x, 64), {"BLOCK": 16}, num_warps=4)
+    assert [call[2]["enable_fp_fusion"] for call in jit.slow_calls] == [False, True]  # two keys, two compiles
 
 
 def test_a_failing_launcher_falls_back_to_kernel_grid(compiled_mode, caplog):
