@@ -225,3 +225,30 @@ def test_cuda_only_scripts_refuse_without_cuda(tmp_path, script):
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()
+
+
+def test_stock_agreement_diag_reports_every_backend_and_the_stock_run(tmp_path):
+    """``diag_stock_agreement.py`` on the CPU: stock ComfyUI and LowBit run the same eager numerics there,
+    so stock, ``auto`` and ``kitchen`` are the same bits (infinite agreement); ``dequant`` (no activation
+    quantization) is closer to float; a backend that cannot run a LowBit-only format here says why, as
+    does stock."""
+    out = tmp_path / "agree.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1", "LOWBIT_TEST_DEVICE": "cpu"}
+    done = subprocess.run([sys.executable, str(GPU_DIR / "diag_stock_agreement.py"), "--formats", "int8_convrot",
+                           "fp8_rowwise", "--seeds", "2", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["seeds"] == [0, 1] and report["kitchen_backends"]["eager"]["available"]
+    int8 = report["formats"]["int8_convrot"]
+    assert int8["auto_vs_stock_db"] == [math.inf, math.inf]
+    assert int8["kitchen"]["vs_float_db"] == int8["stock"]["vs_float_db"] == int8["auto"]["vs_float_db"]
+    assert 20 < int8["auto"]["mean"] < int8["dequant"]["mean"]
+    if env.get("TRITON_INTERPRET") == "1":  # Triton's interpreter: its fp16 rotation flips a few codes
+        assert int8["triton"]["vs_float_db"] != int8["auto"]["vs_float_db"]
+        assert abs(int8["triton"]["mean"] - int8["auto"]["mean"]) < 1.0
+    else:  # a kitchen-layout format falls back to kitchen's path when the forced backend cannot run
+        assert int8["triton"]["vs_float_db"] == int8["auto"]["vs_float_db"]
+    fp8 = report["formats"]["fp8_rowwise"]
+    assert "lowbit_fp8_rowwise" in fp8["stock"] and "auto_vs_stock_db" not in fp8
+    assert isinstance(fp8["auto"], dict) and "int8_linear" in fp8["kitchen"]
