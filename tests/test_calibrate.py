@@ -428,7 +428,8 @@ def test_calibration_beats_structural_int4_mixed_on_planted_sensitive_layers(obj
     assert result.objective == objective
     w4_errors = {layer.name: layer.by_format["w4a4"].error for layer in result.layers}
     others = sorted(e for n, e in w4_errors.items() if n not in planted)
-    assert min(w4_errors[n] for n in planted) >= 10 * others[len(others) // 2], w4_errors  # the premise
+    # the premise (about 9.6x with w4a4's searched scales, 10x and more with kitchen's abs-max scales)
+    assert min(w4_errors[n] for n in planted) >= 8 * others[len(others) // 2], w4_errors
     calibrated = result.policy.layer_format_map
     assert result.used_bytes <= budget
     assert {n for n, f in calibrated.items() if f == "int8_convrot"} == planted

@@ -19,17 +19,27 @@ so CPU results are kitchen's bit for bit. A weight the kernels do not take runs 
 
 from __future__ import annotations
 
-
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorCoreConvRotW4A4Layout
 
 from ...kernels.backend import capability
+from ...kernels.hadamard import rotate_blocks
+from ..scale_search import mse_row_scales
 from ...kernels.w4_linear import w4a4_linear
 from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
 LAYOUT = "TensorCoreConvRotW4A4Layout"
 CONVROT_GROUP = 256
 QUANT_GROUP = 64  # what ComfyUI's loader assumes for this format
+INT4_MAX = 7  # kitchen's signed 4-bit codes: -7 .. 7
+SCALE_CHOICES = ("mse", "absmax")
+
+
+def pack_signed_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 ``[N, K]`` codes in ``-8 .. 7`` -> int8 ``[N, K/2]``, two a byte, the even column in the low nibble
+    (comfy-kitchen's ``convrot_w4a4`` packing)."""
+    low, high = codes[:, 0::2].to(torch.int16) & 0xF, codes[:, 1::2].to(torch.int16) & 0xF
+    return (low | (high << 4)).to(torch.uint8).view(torch.int8)
 
 
 class W4A4ConvRotCodec(KitchenKernelCodec):
@@ -42,6 +52,32 @@ class W4A4ConvRotCodec(KitchenKernelCodec):
         native_format="convrot_w4a4", stock_loadable=True, in_features_multiple=CONVROT_GROUP,
         fallback="int8_convrot", min_sm=(7, 5),
     )
+
+    def quantize(self, weight: torch.Tensor, *, compute_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 scales: str = "mse") -> QuantizedTensor:
+        """Quantize a float ``[out, in]`` weight. ``scales``: how each row's scale is chosen, after the rotation:
+
+        * ``"mse"`` (the default): the scale with the least squared rounding error over the row
+          (:func:`~lowbit.quant.scale_search.mse_row_scales`; the abs-max scale is one of the candidates,
+          so no row is worse than with it). Same tensors and format, so stock ComfyUI loads it as any
+          ``convrot_w4a4`` file;
+        * ``"absmax"``: comfy-kitchen's own quantizer, bit for bit (``max|row| / 7``).
+
+        ``seed > 0`` (stochastic rounding) always takes kitchen's quantizer, with its abs-max scales."""
+        if scales not in SCALE_CHOICES:
+            raise ValueError(f"w4a4 scales must be one of {', '.join(SCALE_CHOICES)}, got {scales!r}")
+        if scales == "absmax" or seed:
+            return super().quantize(weight, compute_dtype=compute_dtype, seed=seed)
+        problem = self.spec.shape_problem(tuple(weight.shape))
+        if problem:
+            raise ValueError(problem)
+        rotated = rotate_blocks(weight.float(), "regular", CONVROT_GROUP)
+        scale = mse_row_scales(rotated, INT4_MAX)
+        codes = torch.clamp(torch.round(rotated / scale[:, None]), -INT4_MAX, INT4_MAX).to(torch.int8)
+        params = TensorCoreConvRotW4A4Layout.Params(
+            scale=scale, orig_dtype=compute_dtype, orig_shape=tuple(weight.shape), convrot_groupsize=CONVROT_GROUP,
+            quant_group_size=QUANT_GROUP, linear_dtype="int4")
+        return QuantizedTensor(pack_signed_nibbles(codes), self.spec.layout, params)
 
     def _quantize(self, weight, *, seed):
         return TensorCoreConvRotW4A4Layout.quantize(

@@ -37,10 +37,11 @@ log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 RESOLUTION = 128  # a 16x16 latent, as the other tiny-Flux tests use
-#: calibrated policies on the tiny Flux keep the denoiser output above these SQNRs (measured on the
-#: CPU: 15.9 dB for w4a4 + int8_convrot at ratio 0.3 with the model-output objective, where structural
-#: int4_mixed gives 14.7 dB and all-w4a4 11.2 dB; 13.0 dB for fp8 + w4a4 at ratio 0.5 with the
-#: layer-output objective, which these input-scale tests use because it is fast)
+#: calibrated policies on the tiny Flux keep the denoiser output above these SQNRs, on average over the
+#: HELD_OUT inputs (measured on the CPU: 17.0 dB for w4a4 + int8_convrot at ratio 0.3 with the model-output
+#: objective, from 12.9 to 21.9 dB per input, where structural int4_mixed gives 16.2 dB; with kitchen's
+#: abs-max w4a4 scales 16.2 and 14.8 dB. fp8 + w4a4 at ratio 0.5 with the layer-output objective, which
+#: the input-scale tests use because it is fast: 13.0 dB on input 0)
 MIN_SQNR_DB = {"int4": 15.0, "fp8": 12.0}
 #: calibrated (model-output objective) minus structural int4_mixed at the same bytes, averaged over
 #: HELD_OUT inputs the calibration never saw, by the activation bits w4a4 runs with on the device.
@@ -58,6 +59,13 @@ def _calibrate(model, **inputs):
               "smoothing": "off", **inputs}
     policy, report = LowBitCalibratePolicy.execute(model=model, **inputs).result
     return policy, report
+
+
+def _mean_sqnr_db(float_model, quantized) -> float:
+    """The quantized model's denoiser output against the float model's, in dB, averaged over HELD_OUT inputs
+    (one input is not enough: per input the int4 policy ranged from 12.9 to 21.9 dB)."""
+    values = [sqnr_db(run_flux(float_model, seed=seed), run_flux(quantized, seed=seed)) for seed in HELD_OUT]
+    return sum(values) / len(values)
 
 
 def _weights(model_patcher) -> dict[str, torch.Tensor]:
@@ -134,15 +142,15 @@ def test_calibrate_node_input_errors(float_model):
 
 # ---- Quantize with Policy -------------------------------------------------------------------
 
-def test_apply_policy_quantizes_as_calibrated(float_model, float_output, int4_policy):
+def test_apply_policy_quantizes_as_calibrated(float_model, int4_policy):
     policy, calibration = parse_policy(int4_policy[0])
     quantized = LowBitApplyPolicy.execute(model=float_model, policy=int4_policy[0]).result[0]
     assert {name: fmt for name, fmt, _ in quantized_layers(quantized)} == policy.layer_format_map
-    assert sqnr_db(float_output, run_flux(quantized)) > MIN_SQNR_DB["int4"]
+    assert _mean_sqnr_db(float_model, quantized) > MIN_SQNR_DB["int4"]
     assert quantized.model.lowbit_info.policy == policy.to_dict()  # recorded on the model (and so when saved)
 
 
-def test_fp8_layers_get_their_static_input_scale(float_model, float_output, fp8_policy):
+def test_fp8_layers_get_their_static_input_scale(float_model, fp8_policy):
     policy, scales, calibration = policy_and_scales(fp8_policy[0])
     assert scales and set(scales) == {l.name for l in calibration.layers if l.format == "fp8"}
     quantized = apply_policy(float_model, policy, scales)
@@ -152,7 +160,7 @@ def test_fp8_layers_get_their_static_input_scale(float_model, float_output, fp8_
     # the Save node's native form carries it as ComfyUI's <layer>.input_scale
     native = native_state_dict(quantized)
     assert {k[: -len(".input_scale")] for k in native if k.endswith(".input_scale")} == set(scales)
-    assert sqnr_db(float_output, run_flux(quantized)) > MIN_SQNR_DB["fp8"]
+    assert _mean_sqnr_db(float_model, quantized) > MIN_SQNR_DB["fp8"]
     # where FP8 runs quantized (an FP8 GPU; forced here), LowBit's forward quantizes activations with it.
     # The probe runs on the model's load device: a layer ComfyUI's Dynamic VRAM has staged (``_v``)
     # and is called with a CPU input gets a dequantized weight from cast_bias_weight (a float linear)
