@@ -7,6 +7,10 @@ quantized to 4 bits (weights offline, activations per token at run time). Storag
 
 Stock ComfyUI 0.30 lists the format but cannot run it on CPU; LowBit runs it through kitchen's layout.
 
+Quantization (:meth:`W4A4ConvRotCodec.quantize`): kitchen's rotation and packing, with each row's scale
+chosen by search (``quant/scale_search.py``) instead of kitchen's ``max|row| / 7``: the same tensors and
+format, less error (``docs/formats.md``, "w4a4 weight scales"). ``scales="absmax"`` is kitchen's quantizer.
+
 Run time: :meth:`W4A4ConvRotCodec.linear` runs LowBit's ``kernels.w4_linear.w4a4_linear`` on the
 layout's tensors (the weight stays packed; our Triton kernel decodes it in registers), with the
 activation bits comfy-kitchen itself uses for this weight on this device (:func:`act_bits`):
@@ -24,8 +28,8 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorCoreConvRotW4A4Layout
 
 from ...kernels.backend import capability
 from ...kernels.hadamard import rotate_blocks
-from ..scale_search import mse_row_scales
 from ...kernels.w4_linear import w4a4_linear
+from ..scale_search import mse_row_scales
 from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
 LAYOUT = "TensorCoreConvRotW4A4Layout"
