@@ -121,6 +121,14 @@ def unpack_int4_signed(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(p.shape[0], p.shape[1] * 2)
 
 
+def pack_int4_signed(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`unpack_int4_signed` (any leading dims): ``[..., K]`` codes in ``[-8, 7]`` → int8
+    ``[..., K/2]``, the even column in the low nibble (comfy-kitchen's row-major packing)."""
+    low = codes[..., 0::2].to(torch.int32) & 0x0F
+    high = codes[..., 1::2].to(torch.int32) & 0x0F
+    return (low | (high << 4)).to(torch.int8)
+
+
 def unpack_uint4(packed: torch.Tensor) -> torch.Tensor:
     """``[N, K/2]`` bytes of two unsigned nibbles (low nibble = even column) → int64 codes ``[N, K]``."""
     p = packed.view(torch.uint8).long()

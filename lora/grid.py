@@ -81,7 +81,8 @@ def grown_scale(merged: torch.Tensor, scale: torch.Tensor, grid_max: float) -> t
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Signed int4 codes (int8 ``[..., 2K]``) from kitchen's row-major nibble packing (low nibble = even column)."""
+    """Signed int4 codes (int8 ``[..., 2K]``) from kitchen's row-major nibble packing (low nibble = even column);
+    the inverse is ``kernels.reference.pack_int4_signed``."""
     x = packed.to(torch.int32)
     low = x & 0x0F
     high = (x >> 4) & 0x0F
@@ -90,8 +91,3 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], -1).to(torch.int8)
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`unpack_int4`: ``[..., 2K]`` codes in ``[-8, 7]`` → int8 ``[..., K]``."""
-    low = codes[..., 0::2].to(torch.int32) & 0x0F
-    high = codes[..., 1::2].to(torch.int32) & 0x0F
-    return (low | (high << 4)).to(torch.int8)

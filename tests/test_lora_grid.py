@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.lora.grid import FP8, FP8_MAX, fp8_step, grown_scale, pack_int4, round_to_fp8, round_to_int_grid, unpack_int4
+from lowbit.kernels.reference import pack_int4_signed as pack_int4
+from lowbit.lora.grid import FP8, FP8_MAX, fp8_step, grown_scale, round_to_fp8, round_to_int_grid, unpack_int4
 
 
 def _gen(seed: int) -> torch.Generator:

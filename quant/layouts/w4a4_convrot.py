@@ -28,6 +28,7 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorCoreConvRotW4A4Layout
 
 from ...kernels.backend import capability
 from ...kernels.hadamard import rotate_blocks
+from ...kernels.reference import pack_int4_signed
 from ...kernels.w4_linear import w4a4_linear
 from ..scale_search import mse_row_scales
 from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
@@ -37,13 +38,6 @@ CONVROT_GROUP = 256
 QUANT_GROUP = 64  # what ComfyUI's loader assumes for this format
 INT4_MAX = 7  # kitchen's signed 4-bit codes: -7 .. 7
 SCALE_CHOICES = ("mse", "absmax")
-
-
-def pack_signed_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """int8 ``[N, K]`` codes in ``-8 .. 7`` -> int8 ``[N, K/2]``, two a byte, the even column in the low nibble
-    (comfy-kitchen's ``convrot_w4a4`` packing)."""
-    low, high = codes[:, 0::2].to(torch.int16) & 0xF, codes[:, 1::2].to(torch.int16) & 0xF
-    return (low | (high << 4)).to(torch.uint8).view(torch.int8)
 
 
 class W4A4ConvRotCodec(KitchenKernelCodec):
@@ -81,7 +75,7 @@ class W4A4ConvRotCodec(KitchenKernelCodec):
         params = TensorCoreConvRotW4A4Layout.Params(
             scale=scale, orig_dtype=compute_dtype, orig_shape=tuple(weight.shape), convrot_groupsize=CONVROT_GROUP,
             quant_group_size=QUANT_GROUP, linear_dtype="int4")
-        return QuantizedTensor(pack_signed_nibbles(codes), self.spec.layout, params)
+        return QuantizedTensor(pack_int4_signed(codes), self.spec.layout, params)
 
     def _quantize(self, weight, *, seed):
         return TensorCoreConvRotW4A4Layout.quantize(
