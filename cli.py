@@ -269,7 +269,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     calibration = None
     if args.policy is not None:
         given = [flag for flag, value in (("--mode", args.mode), ("--preset", args.preset), ("--ratio", args.ratio),
-                                          ("--keep-float", args.keep_float)) if value]
+                                          ("--keep-float", args.keep_float), ("--w4a4-scales", args.w4a4_scales))
+                 if value]
         if given:
             raise LowBitError(f"--policy sets the whole policy; drop {', '.join(given)} (or edit the policy file)")
         from .quant.calibrate import load_policy_file
@@ -283,7 +284,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         if args.ratio is not None and mode != "int4_mixed":
             log.warning("--ratio only applies to --mode int4_mixed; ignored for %s", mode)
         ratio = {} if args.ratio is None else {"int4_mixed_ratio": args.ratio}
-        policy = Policy(mode=mode, preset=args.preset or "auto", extra_keep_float=tuple(args.keep_float), **ratio)
+        scales = {} if args.w4a4_scales is None else {"w4a4_scales": args.w4a4_scales}
+        policy = Policy(mode=mode, preset=args.preset or "auto", extra_keep_float=tuple(args.keep_float), **ratio,
+                        **scales)
     compute_dtype = getattr(torch, DTYPES[args.dtype])
     device = resolve_device(args.device)
 
@@ -469,6 +472,12 @@ def _all_modes() -> tuple[str, ...]:
     return all_modes()
 
 
+def _w4a4_scale_choices() -> tuple[str, ...]:
+    from .quant.policy import W4A4_SCALE_CHOICES
+
+    return W4A4_SCALE_CHOICES
+
+
 class _LazyNames(Sequence):
     """Choices loaded on first use: the mode list needs the format registry (torch and comfy-kitchen),
     which ``--help`` of most commands and ``formats``-free paths should not pay for until they use it."""
@@ -547,6 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int4_mixed only: share of quantized parameters kept in INT8 (0..1, default 0.2)")
     q.add_argument("--keep-float", action="extend", nargs="+", default=[], metavar="REGEX",
                    help="extra layer-name regular expressions to keep in float (added to the preset's)")
+    q.add_argument("--w4a4-scales", choices=_LazyNames(_w4a4_scale_choices), default=None, metavar="SCALES",
+                   help="how w4a4 weights' row scales are chosen, one of: %(choices)s. mse (the default): searched per "
+                        "row, less error; absmax: comfy-kitchen's quantizer, bit for bit")
     q.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
                    help="compute dtype handed to the format codecs (default bf16); today's formats store the same "
                         "bytes for every dtype, the run dtype is chosen when the model is loaded")

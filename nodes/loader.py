@@ -19,12 +19,12 @@ import torch
 from comfy_api.latest import io
 
 from ..quant.errors import CheckpointFormatError, LowBitError
-from ..quant.policy import Policy
+from ..quant.policy import W4A4_SCALE_CHOICES, Policy
 from . import CATEGORY
 from .comfy_ops import KERNEL_BACKENDS, LowBitOpsConfig, default_dequantize_formats, install_input_fusion, lowbit_ops
-from .common import (AUTO, KEEP_FLOAT_TOOLTIP, MODE_TOOLTIP, NATIVE, PRESET_TOOLTIP, RATIO_TOOLTIP, WEIGHT_DTYPES,
-                     NodeInputError, backend_options, make_policy, mode_options, preset_options, progress_bar,
-                     weight_dtype)
+from .common import (AUTO, KEEP_FLOAT_TOOLTIP, MODE_TOOLTIP, NATIVE, PRESET_TOOLTIP, RATIO_TOOLTIP,
+                     W4A4_SCALES_TOOLTIP, WEIGHT_DTYPES, NodeInputError, backend_options, make_policy, mode_options,
+                     preset_options, progress_bar, weight_dtype)
 from .model_quant import (INFO_ATTR, LowBitModelInfo, NotADiffusionModelError, quantize_in_place,
                           quantized_layers)
 
@@ -44,6 +44,7 @@ class LoadSettings:
     backend: str = AUTO
     version: int = LOAD_SETTINGS_VERSION
     keep_float: str = ""  # more keep-float regular expressions, one per line (as Quantize Model's input)
+    w4a4_scales: str = "mse"  # as Quantize Model's input (``Policy.w4a4_scales``)
 
     def __post_init__(self):
         if self.version != LOAD_SETTINGS_VERSION:
@@ -57,7 +58,7 @@ class LoadSettings:
 
     def policy(self) -> Policy | None:
         return None if self.mode == NATIVE else make_policy(self.mode, self.preset, self.int4_mixed_ratio,
-                                                            self.keep_float)
+                                                            self.keep_float, self.w4a4_scales)
 
 
 def read_diffusion_state_dict(path: str) -> tuple[dict[str, torch.Tensor], dict | None]:
@@ -193,13 +194,16 @@ class LowBitLoadDiffusionModel(io.ComfyNode):
                                "kitchen: comfy-kitchen's; eager: pure PyTorch (slow, for checking)."),
                 io.String.Input("keep_float", default="", multiline=True, optional=True,
                                 tooltip=KEEP_FLOAT_TOOLTIP + " Ignored in native mode."),
+                io.Combo.Input("w4a4_scales", options=list(W4A4_SCALE_CHOICES), default="mse", optional=True,
+                               advanced=True, tooltip=W4A4_SCALES_TOOLTIP + " Ignored in native mode."),
             ],
             outputs=[io.Model.Output(tooltip="The diffusion model, quantized layers running through LowBit.")],
         )
 
     @classmethod
     def execute(cls, unet_name: str, mode: str = NATIVE, weight_dtype: str = "default", preset: str = AUTO,
-                int4_mixed_ratio: float = 0.2, kernel_backend: str = AUTO, keep_float: str = "") -> io.NodeOutput:
+                int4_mixed_ratio: float = 0.2, kernel_backend: str = AUTO, keep_float: str = "",
+                w4a4_scales: str = "mse") -> io.NodeOutput:
         import folder_paths
 
         path = folder_paths.get_full_path("diffusion_models", unet_name)
@@ -207,6 +211,7 @@ class LowBitLoadDiffusionModel(io.ComfyNode):
             raise NodeInputError(f"diffusion model {unet_name!r} not found in models/diffusion_models; fix: put the "
                                  f"file there (or in a folder extra_model_paths.yaml lists) and refresh the node list.")
         settings = LoadSettings(mode=mode, weight_dtype=weight_dtype, preset=preset,
-                                int4_mixed_ratio=int4_mixed_ratio, backend=kernel_backend, keep_float=keep_float)
+                                int4_mixed_ratio=int4_mixed_ratio, backend=kernel_backend, keep_float=keep_float,
+                                w4a4_scales=w4a4_scales)
         model = load_lowbit_diffusion_model(path, settings, progress=progress_bar(f"quantizing {unet_name}"))
         return io.NodeOutput(model)

@@ -291,8 +291,8 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
     layers store ``W diag(1 / scale)`` and carry the scale (the caller checked their formats may).
     ``outlier_channels``: ``{layer: int32 [r] channels}`` for ``fp8_rowwise`` layers (calibrated, see
     ``quant/calibration_outliers.py``): those layers are quantized with them (weight ``[N, K + 2r]``);
-    a layer the plan does not quantize as ``fp8_rowwise`` raises a :class:`LowBitError`.
-    Returns the plan used.
+    a layer the plan does not quantize as ``fp8_rowwise`` raises a :class:`LowBitError`. Every layer also
+    gets the policy's options for its format (:meth:`Policy.codec_options`). Returns the plan used.
     """
     pre_quant_scales = dict(pre_quant_scales or {})
     plan = plan or plan_for(model_patcher, policy, requantize=requantize)
@@ -324,8 +324,10 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
         if scale is not None:
             check_pre_quant_scale(decision.name, scale, weight.shape[1])
             weight = smoothed_weight(weight, scale.to(device))
+        options = policy.codec_options(decision.format)
         channels = outlier_channels.get(decision.name)
-        options = None if channels is None else {"outlier_channels": channels}
+        if channels is not None:
+            options["outlier_channels"] = channels
         qt = quantize_weight(weight, decision.format, name=decision.name, compute_dtype=compute_dtype, options=options)
         del weight
         module.__class__ = lowbit_linear_class(type(module), classes)

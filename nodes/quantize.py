@@ -14,10 +14,10 @@ import weakref
 
 from comfy_api.latest import io
 
-from ..quant.policy import Policy
+from ..quant.policy import W4A4_SCALE_CHOICES, Policy
 from . import CATEGORY
 from .common import (AUTO, DEFAULT_MODE, KEEP_FLOAT_TOOLTIP, MODE_TOOLTIP, PRESET_TOOLTIP, RATIO_TOOLTIP,
-                     NodeInputError, make_policy, mode_options, preset_options, progress_bar)
+                     W4A4_SCALES_TOOLTIP, NodeInputError, make_policy, mode_options, preset_options, progress_bar)
 from .model_quant import is_quantized, quantize_model
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ CACHE = QuantizeCache()
 
 
 def quantize_node(model, mode: str, preset: str = AUTO, int4_mixed_ratio: float = 0.2, enable: str = "as_needed",
-                  keep_float: str = "", *, cache: QuantizeCache = CACHE, progress=None):
+                  keep_float: str = "", w4a4_scales: str = "mse", *, cache: QuantizeCache = CACHE, progress=None):
     """The node's work: the model to pass on, quantized as the inputs ask."""
     if enable not in ENABLE_OPTIONS:
         raise NodeInputError(f"enable {enable!r} is not one of {', '.join(ENABLE_OPTIONS)}")
@@ -64,7 +64,7 @@ def quantize_node(model, mode: str, preset: str = AUTO, int4_mixed_ratio: float 
     if enable == "as_needed" and is_quantized(model):
         log.info("LowBit: the model is already quantized; passing it on unchanged (enable=as_needed)")
         return model
-    policy = make_policy(mode, preset, int4_mixed_ratio, keep_float)
+    policy = make_policy(mode, preset, int4_mixed_ratio, keep_float, w4a4_scales)
     cached = cache.get(model, policy)
     if cached is not None:
         log.info("LowBit: reusing the model quantized earlier with the same input and settings")
@@ -96,12 +96,14 @@ class LowBitQuantizeModel(io.ComfyNode):
                                "always: quantize, and fail if no float layer is left to quantize. bypass: pass the "
                                "model on unchanged."),
                 io.String.Input("keep_float", default="", multiline=True, optional=True, tooltip=KEEP_FLOAT_TOOLTIP),
+                io.Combo.Input("w4a4_scales", options=list(W4A4_SCALE_CHOICES), default="mse", optional=True,
+                               advanced=True, tooltip=W4A4_SCALES_TOOLTIP),
             ],
             outputs=[io.Model.Output(tooltip="The quantized model (a new MODEL; the input is unchanged).")],
         )
 
     @classmethod
     def execute(cls, model, mode: str, preset: str = AUTO, int4_mixed_ratio: float = 0.2,
-                enable: str = "as_needed", keep_float: str = "") -> io.NodeOutput:
-        return io.NodeOutput(quantize_node(model, mode, preset, int4_mixed_ratio, enable, keep_float,
+                enable: str = "as_needed", keep_float: str = "", w4a4_scales: str = "mse") -> io.NodeOutput:
+        return io.NodeOutput(quantize_node(model, mode, preset, int4_mixed_ratio, enable, keep_float, w4a4_scales,
                                            progress=progress_bar(f"quantizing to {mode}")))

@@ -24,7 +24,7 @@ import torch
 from .checkpoint import CheckpointReader, CheckpointWriter, lowbit_metadata, open_checkpoint
 from .errors import CheckpointFormatError, LowBitError
 from .policy import Plan, Policy
-from .quantize import QuantizeOptions, quantize_layer
+from .quantize import QuantizeOptions, layer_options, quantize_layer
 from .safetensors_file import check_output_path
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
     on the CPU, and must return a float tensor of the same shape. Layers kept in float and other
     tensors are written as read. Whatever it adds to the file goes through ``extra_entries``.
 
+    Each layer's codec gets the policy's options for its format (``w4a4``: ``w4a4_scales``).
     ``quantize_options(layer, format)`` may give each quantized layer's codec extra keyword options
     (``{"outlier_channels": index}`` for an ``fp8_rowwise`` layer with calibrated outlier channels,
     say; see :func:`quant.quantize.quantize_weight`); an option the layer's format does not take
@@ -113,7 +114,7 @@ def convert_file(src: str | os.PathLike, dst: str | os.PathLike, policy: Policy,
                             tensor = tensor.float()
                         if transform_weight is not None:
                             tensor = _transformed(transform_weight, layer, fmt, tensor)
-                        options = quantize_options(layer, fmt) if quantize_options is not None else None
+                        options = layer_options(policy, layer, fmt, quantize_options)
                         writer.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device,
                                                      options=options))
                         if extra_entries is not None:

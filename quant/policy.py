@@ -35,6 +35,7 @@ from typing import Iterable, Mapping
 
 from .errors import PolicyError, UnknownFormatError
 from .formats import FORMATS, fallback_chain
+from .layouts.w4a4_convrot import SCALE_CHOICES as W4A4_SCALE_CHOICES
 from .presets import Preset, get_preset, model_prefix
 
 POLICY_VERSION = 1
@@ -120,6 +121,9 @@ class Policy:
     #: per-layer overrides (layer name relative to the diffusion model -> format name or "float"),
     #: kept as sorted ``(name, format)`` pairs so the policy stays hashable; a mapping is accepted
     layer_formats: tuple[tuple[str, str], ...] = ()
+    #: how ``w4a4`` weights' row scales are chosen: ``"mse"`` searched per row (less error), ``"absmax"``
+    #: comfy-kitchen's own quantizer, bit for bit (``docs/formats.md``, "w4a4 weight scales")
+    w4a4_scales: str = "mse"
     version: int = POLICY_VERSION
 
     def __post_init__(self):
@@ -136,6 +140,9 @@ class Policy:
             raise PolicyError(f"preset must be a preset name or 'auto', got {self.preset!r}")
         if self.preset != "auto":
             get_preset(self.preset)  # an unknown name raises, listing the known presets
+        if self.w4a4_scales not in W4A4_SCALE_CHOICES:
+            raise PolicyError(f"w4a4_scales must be one of {', '.join(W4A4_SCALE_CHOICES)} (how w4a4 weights' row "
+                              f"scales are chosen), got {self.w4a4_scales!r}")
         if self.version != POLICY_VERSION:
             raise PolicyError(f"policy version {self.version} is not supported (this LowBit reads version {POLICY_VERSION})")
         object.__setattr__(self, "extra_keep_float", tuple(self.extra_keep_float))
@@ -147,6 +154,11 @@ class Policy:
     def layer_format_map(self) -> dict[str, str]:
         """``layer_formats`` as a dict (layer name -> format name or ``"float"``)."""
         return dict(self.layer_formats)
+
+    def codec_options(self, fmt: str) -> dict[str, object]:
+        """The keyword options of format ``fmt``'s ``codec.quantize`` that this policy sets for every layer
+        of that format (per-layer options, such as calibrated outlier channels, are added by the caller)."""
+        return {"scales": self.w4a4_scales} if fmt == INT4_FORMAT else {}
 
     def to_dict(self) -> dict:
         out = {**dataclasses.asdict(self), "extra_keep_float": list(self.extra_keep_float)}

@@ -62,6 +62,16 @@ def check_quantize_options(name: str, fmt: str, options: Mapping[str, object]) -
     return options
 
 
+def layer_options(policy: Policy, layer: str, fmt: str,
+                  quantize_options: QuantizeOptions | None = None) -> dict[str, object]:
+    """The codec options of ``layer`` (format ``fmt``): ``policy``'s for that format (``w4a4``: its
+    ``w4a4_scales``), then the caller's per-layer ``quantize_options(layer, fmt)`` on top."""
+    options = policy.codec_options(fmt)
+    if quantize_options is not None:
+        options.update(check_quantize_options(layer, fmt, quantize_options(layer, fmt)))
+    return options
+
+
 def quantize_weight(weight: torch.Tensor, fmt: str, *, name: str = "weight",
                     compute_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                     device: torch.device | str | None = None,
@@ -97,8 +107,9 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], policy: Policy |
 
     Returns the new state dict (quantized layers as ``weight`` + scales + ``comfy_quant``; every other
     tensor unchanged) and the plan that decided each layer. ``progress(done, total)`` is called
-    after each quantized layer. ``quantize_options(layer, format)`` may give a layer's codec extra
-    keyword options (as :func:`quantize_weight`; ``fp8_rowwise``: ``outlier_channels``).
+    after each quantized layer. Each layer's codec gets the policy's options for its format
+    (:meth:`Policy.codec_options`) and ``quantize_options(layer, format)``'s extra keyword options on
+    top (as :func:`quantize_weight`; ``fp8_rowwise``: ``outlier_channels``).
     """
     policy = policy or Policy()
     if plan is None:
@@ -112,7 +123,7 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], policy: Policy |
         if fmt is None:
             out[key] = tensor
             continue
-        options = quantize_options(layer, fmt) if quantize_options is not None else None
+        options = layer_options(policy, layer, fmt, quantize_options)
         out.update(quantize_layer(layer, tensor, fmt, compute_dtype=compute_dtype, device=device, options=options))
         done += 1
         if progress is not None:

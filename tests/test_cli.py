@@ -23,13 +23,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from checkpoint_helpers import assert_state_dicts_bit_equal
 from lowbit import cli
 from lowbit.cli import format_details_markdown, formats_markdown
 from lowbit.quant.checkpoint import load_quantized, open_checkpoint, save_checkpoint
 from lowbit.quant.demo import TinyFluxConfig, flux_shapes, tiny_flux_state_dict
 from lowbit.quant.formats import FORMATS
 from lowbit.quant.policy import Policy, all_modes
+from lowbit.quant.quantize import quantize_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = {"README.md": REPO / "README.md", "docs/cli.md": REPO / "docs" / "cli.md",
@@ -299,6 +302,11 @@ QUICK = {
     "inspect missing": ["inspect", "missing.safetensors"],
     "already quantized": ["quantize", "quantized.safetensors", "out.safetensors", "--mode", "int8"],
     "bench kernels": ["bench", "kernels", "--help"],
+    "w4a4 absmax": ["quantize", "small.safetensors", "absmax.safetensors", "--mode", "int4_full",
+                    "--w4a4-scales", "absmax"],
+    "bad w4a4 scales": ["quantize", "small.safetensors", "out.safetensors", "--mode", "w4a4", "--w4a4-scales", "max"],
+    "policy and w4a4 scales": ["quantize", "small.safetensors", "out.safetensors", "--policy", "p.json",
+                               "--w4a4-scales", "absmax"],
 }
 EXISTING = b"an earlier result that must survive"
 
@@ -333,7 +341,7 @@ def test_help_lists_commands_modes_and_options(quick):
     help_quantize = " ".join(runs["help quantize"].stdout.split())
     for mode in all_modes():
         assert mode in help_quantize
-    for option in ("--demo", "--mode", "--preset", "--ratio", "--keep-float", "--dtype", "--device",
+    for option in ("--demo", "--mode", "--preset", "--ratio", "--keep-float", "--w4a4-scales", "--dtype", "--device",
                    "--overwrite", "--print-plan", "--debug"):
         assert option in help_quantize
     for option in ("--mode", "--preset", "--layers"):
@@ -351,6 +359,8 @@ USER_ERROR_CASES = {
     "inspect missing": "missing.safetensors",
     "already quantized": "already quantized",
     "no command": "",
+    "bad w4a4 scales": "'max'",
+    "policy and w4a4 scales": "drop --w4a4-scales",
 }
 
 
@@ -366,6 +376,17 @@ def test_user_errors_exit_2_with_one_clear_line(quick, name):
     assert len(errors) == 1 and errors[0].startswith("lowbit"), run
     assert USER_ERROR_CASES[name] in errors[0], run
     assert not (quick[0] / "out.safetensors").exists()
+
+
+def test_w4a4_scales_option_is_the_policys(quick):
+    folder, runs = quick
+    assert runs["w4a4 absmax"].returncode == 0, runs["w4a4 absmax"]
+    policy = Policy(mode="int4_full", w4a4_scales="absmax")
+    loaded = load_quantized(folder / "absmax.safetensors")
+    assert Policy.from_dict(json.loads(loaded.metadata["lowbit_policy"])) == policy
+    expected, plan = quantize_state_dict(load_file(folder / "small.safetensors"), policy)
+    assert any(d.format == "w4a4" for d in plan.quantized)
+    assert_state_dicts_bit_equal(load_file(folder / "absmax.safetensors"), expected, "--w4a4-scales absmax")
 
 
 def test_existing_output_is_left_unchanged(quick):

@@ -73,6 +73,35 @@ def test_convert_file_equals_in_memory_quantization(flux_file, tmp_path, mode):
     assert leftovers(tmp_path) == []
 
 
+def test_the_policys_w4a4_scales_reach_every_w4a4_layer(flux_file, tmp_path):
+    """``Policy.w4a4_scales="absmax"``: every w4a4 layer is comfy-kitchen's quantizer's, bit for bit, and
+    differs from the default (searched) one; a per-layer ``quantize_options`` choice wins over the policy's."""
+    src, sd = flux_file
+    policy = Policy(mode="int4_full", w4a4_scales="absmax")
+    report = convert_file(src, tmp_path / "absmax.safetensors", policy)
+    loaded = load_quantized(report.output)
+    w4 = sorted(layer for layer, fmt in loaded.formats.items() if fmt == "w4a4")
+    assert w4 and Policy.from_dict(json.loads(loaded.metadata["lowbit_policy"])) == policy
+    searched_differs = []
+    for layer in w4:
+        weight = sd[f"{layer}.weight"]
+        assert_qt_bit_equal(loaded.layers[layer], quantize_weight(weight, "w4a4", options={"scales": "absmax"}), layer)
+        searched_differs.append(not torch.equal(loaded.layers[layer]._params.scale,
+                                                quantize_weight(weight, "w4a4")._params.scale))
+    assert all(searched_differs)
+    in_memory, _ = quantize_state_dict(dict(sorted(sd.items())), policy)
+    assert_state_dicts_bit_equal(load_file(report.output), in_memory, "absmax file")
+
+    def one_searched(layer, fmt):
+        return {"scales": "mse"} if layer == w4[0] else {}
+
+    mixed, _ = quantize_state_dict(sd, policy, quantize_options=one_searched)
+    default, _ = quantize_state_dict(sd, Policy(mode="int4_full"))
+    for layer in w4[:2]:
+        source = default if layer == w4[0] else in_memory
+        assert torch.equal(mixed[f"{layer}.weight_scale"], source[f"{layer}.weight_scale"]), layer
+
+
 @pytest.mark.parametrize("mode", ["int8_hadanorm", "fp8_rowwise"])
 def test_explicit_device_gives_the_same_file(flux_file, tmp_path, mode):
     """``device="cpu"`` takes the path a GPU does (the 16-bit weight handed over as is) and must match."""

@@ -208,10 +208,18 @@ def test_prefixed_and_full_checkpoint_names_plan_like_the_bare_model():
      r"extra_keep_float pattern '\(unclosed' is not a valid regular expression"),
     ({"preset": "flux9"}, PolicyError, r"unknown preset 'flux9'; known presets: auto, .*flux1"),
     ({"version": 7}, PolicyError, r"policy version 7 is not supported"),
+    ({"w4a4_scales": "max"}, PolicyError, r"w4a4_scales must be one of mse, absmax .*got 'max'"),
 ])
 def test_policy_validation_errors_are_clear(kwargs, error, message):
     with pytest.raises(error, match=message):
         Policy(**kwargs)
+
+
+def test_codec_options_name_the_w4a4_scales_for_w4a4_layers_only():
+    assert Policy().codec_options("w4a4") == {"scales": "mse"}
+    assert Policy(mode="int4_mixed", w4a4_scales="absmax").codec_options("w4a4") == {"scales": "absmax"}
+    assert all(Policy(w4a4_scales="absmax").codec_options(fmt) == {} for fmt in FORMATS if fmt != "w4a4")
+    assert Policy.from_dict({"mode": "w4a4"}).w4a4_scales == "mse"  # a policy written before the option
 
 
 def test_policy_errors_are_value_errors():
@@ -225,6 +233,7 @@ def test_policy_errors_are_value_errors():
     Policy(),
     Policy(mode="int4_mixed", preset="flux1", int4_mixed_ratio=0.35, min_features=64, extra_keep_float=(r"^x$", "final")),
     Policy(mode="fp8_rowwise", preset="wan21"),
+    Policy(mode="int4_full", w4a4_scales="absmax"),
 ])
 def test_policy_round_trips_through_a_dict_and_json(policy):
     data = policy.to_dict()

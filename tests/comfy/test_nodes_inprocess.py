@@ -23,6 +23,7 @@ from lowbit.nodes.model_quant import (NotADiffusionModelError, NothingToQuantize
                                       quantized_layers)
 from lowbit.nodes.quantize import CACHE, LowBitQuantizeModel, QuantizeCache, quantize_node  # noqa: E402
 from lowbit.quant.checkpoint import save_checkpoint  # noqa: E402
+from lowbit.quant.errors import PolicyError  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 from lowbit.quant.quantize import quantize_state_dict  # noqa: E402
 
@@ -254,6 +255,28 @@ def test_loader_quantizes_while_loading_like_the_quantize_node(models_dir, float
     assert torch.equal(run_flux(kept), run_flux(_quantize(float_model, keep_float="(_mod|modulation)\\.lin$")))
     with pytest.raises(NodeInputError, match="keep_float pattern"):
         _load("flux.safetensors", MODE, keep_float="img_mod(")
+
+
+def test_w4a4_scales_input_reaches_the_w4a4_weights(models_dir, float_model):
+    """Quantize Model's and the loader's ``w4a4_scales`` (mse by default, or comfy-kitchen's absmax): their
+    w4a4 layers hold exactly what ``quantize_state_dict`` makes under the policy with that choice."""
+    save_checkpoint(tiny_flux_bf16(), models_dir / "flux.safetensors")
+    scales = {}
+    for choice in ("mse", "absmax"):
+        expected, plan = quantize_state_dict(tiny_flux_bf16(), Policy(mode="int4_full", w4a4_scales=choice))
+        w4 = [d.name for d in plan.quantized if d.format == "w4a4"]
+        assert w4
+        for model in (_quantize(float_model, mode="int4_full", w4a4_scales=choice),
+                      _load("flux.safetensors", "int4_full", w4a4_scales=choice)):
+            assert model_info(model).policy["w4a4_scales"] == choice
+            sd = native_state_dict(model)
+            for layer in w4:
+                for key in (k for k in expected if k.rpartition(".")[0] == layer):
+                    assert torch.equal(sd[key].cpu(), expected[key]), (choice, key)
+        scales[choice] = torch.cat([expected[f"{layer}.weight_scale"].flatten() for layer in w4])
+    assert not torch.equal(scales["mse"], scales["absmax"])  # which gives less error: tests/test_scale_search.py
+    with pytest.raises(PolicyError, match="w4a4_scales must be one of"):
+        _quantize(float_model, mode="int4_full", w4a4_scales="max")
 
 
 def test_loader_reads_a_native_file_as_stock_comfyui_does(models_dir, float_model, float_output):
