@@ -176,12 +176,13 @@ def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
 
 def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp_path):
     """``bench_flux_step``: a ``+unfused`` mode is quantized with ``fuse_inputs=False`` (``+noreplay``: launch
-    replays off; ``+floatmods``: modulation linears kept in bf16), and ``--rounds``
+    replays off; ``+floatmods``: modulation linears kept in bf16; ``+absmax``: kitchen's w4a4 scales), and ``--rounds``
     times every kept mode again, each step's GPU and host time recorded (same output either way)."""
     out = tmp_path / "step.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(GPU_DIR / "bench_flux_step.py"), "--size", "tiny", "--device", "cpu", "--iters", "1",
-           "--modes", "int8_convrot", "int8_convrot+unfused", "int8_convrot+noreplay", "int8_convrot+floatmods", "--rounds", "2",
+           "--modes", "int8_convrot", "int8_convrot+unfused", "int8_convrot+noreplay", "int8_convrot+floatmods", "w4a4",
+           "w4a4+absmax", "--rounds", "2",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -198,6 +199,9 @@ def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp
         assert len(row["step_s_interleaved_cold_all"]) == 2 and row["speedup_interleaved_cold"] > 0
         assert row["speedup_interleaved"] > 0
     assert fused["rel_err"] == pytest.approx(unfused["rel_err"], rel=1e-3)
+    searched, absmax = report["modes"]["w4a4"], report["modes"]["w4a4+absmax"]
+    assert (searched["w4a4_scales"], absmax["w4a4_scales"], fused["w4a4_scales"]) == ("mse", "absmax", "mse")
+    assert searched["rel_err"] != absmax["rel_err"]
 
 
 @pytest.mark.parametrize("modes, message", [(["int8+dvram"], "need a CUDA device"),

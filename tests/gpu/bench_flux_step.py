@@ -18,7 +18,8 @@ against ``bf16+attn`` when that was measured too. A format followed by ``+unfuse
 computed as written instead of inside the activation quantization (an A/B of that fusion).
 ``+noreplay`` runs with the kernels' launch replays switched off (``kernels/launcher.py``: every call
 builds its launches' arguments); ``+floatmods`` keeps the per-block modulation linears in bf16
-(``Policy.extra_keep_float``); ``+dvram`` loads the mode's model as ComfyUI does by default on NVIDIA GPUs,
+(``Policy.extra_keep_float``); ``+absmax`` quantizes ``w4a4`` weights with comfy-kitchen's abs-max row
+scales (``Policy.w4a4_scales``) instead of the searched ones; ``+dvram`` loads the mode's model as ComfyUI does by default on NVIDIA GPUs,
 through Dynamic VRAM (comfy-aimdo's ``ModelPatcherDynamic``: weights in RAM, a resident copy in the model's
 VRAM "vbar", every layer cast per call; ``bf16+dvram`` is stock bf16 loaded that way, a second copy of the
 model). Flags combine in any order: ``int8_convrot+floatmods+attn``.
@@ -190,7 +191,7 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 ATTN_SUFFIX = "+attn"
 #: what a mode's ``+flag``s after the format switch (module docstring)
-MODE_FLAGS = ("attn", "unfused", "noreplay", "floatmods", "dvram")
+MODE_FLAGS = ("attn", "unfused", "noreplay", "floatmods", "dvram", "absmax")
 FLOAT_MODULATION = r"(_mod|modulation)\.lin$"  # Flux's per-block modulation linears
 
 
@@ -331,8 +332,9 @@ def _run(a, device) -> dict:
             else:
                 sync(device)
                 t0 = time.perf_counter()
-                q = quantize_model(base, Policy(mode=fmt, extra_keep_float=keep), fuse_inputs=fuse)
-                row.update(fuse_inputs=fuse, extra_keep_float=list(keep))
+                policy = Policy(mode=fmt, extra_keep_float=keep, w4a4_scales="absmax" if "absmax" in flags else "mse")
+                q = quantize_model(base, policy, fuse_inputs=fuse)
+                row.update(fuse_inputs=fuse, extra_keep_float=list(keep), w4a4_scales=policy.w4a4_scales)
                 sync(device)
                 row["quantize_s"] = time.perf_counter() - t0
                 qdm = q.model.diffusion_model
