@@ -114,11 +114,11 @@ def int8_accumulate_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ---- 4-bit weight storage --------------------------------------------------------------------
 
 def unpack_int4_signed(packed: torch.Tensor) -> torch.Tensor:
-    """``[N, K/2]`` bytes of two signed nibbles (low nibble = even column) → int8 ``[N, K]``."""
+    """``[..., K/2]`` bytes of two signed nibbles (low nibble = even column) → int8 ``[..., K]``."""
     p = packed.view(torch.int8)
     low = torch.bitwise_right_shift(torch.bitwise_left_shift(p, 4), 4)  # arithmetic shift sign-extends
     high = torch.bitwise_right_shift(p, 4)
-    return torch.stack((low, high), dim=-1).reshape(p.shape[0], p.shape[1] * 2)
+    return torch.stack((low, high), dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
 def pack_int4_signed(codes: torch.Tensor) -> torch.Tensor:

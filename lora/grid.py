@@ -80,14 +80,3 @@ def grown_scale(merged: torch.Tensor, scale: torch.Tensor, grid_max: float) -> t
     return torch.where(grow, needed, old).to(scale.dtype), int(grow.sum())
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Signed int4 codes (int8 ``[..., 2K]``) from kitchen's row-major nibble packing (low nibble = even column);
-    the inverse is ``kernels.reference.pack_int4_signed``."""
-    x = packed.to(torch.int32)
-    low = x & 0x0F
-    high = (x >> 4) & 0x0F
-    low = torch.where(low >= 8, low - 16, low)
-    high = torch.where(high >= 8, high - 16, high)
-    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], -1).to(torch.int8)
-
-

@@ -27,11 +27,11 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor
 
 from ..kernels.hadamard import rotate_blocks
-from ..kernels.reference import pack_int4_signed
+from ..kernels.reference import pack_int4_signed, unpack_int4_signed
 from ..quant.layouts import fp8_rowwise, fp8_tensorwise, int8_hadanorm, int8_quarot, int8_tensorwise, w4a4_convrot
 from ..quant.layouts.base import FormatCodec
-from .delta import Delta, DenseDelta, sum_deltas
-from .grid import FP8_MAX, grown_scale, round_to_fp8, round_to_int_grid, unpack_int4
+from .delta import Delta, sum_deltas
+from .grid import FP8_MAX, grown_scale, round_to_fp8, round_to_int_grid
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def _w4a4_convrot(qt, deltas, generator, layer):
     p = qt._params
     rotate = lambda m: rotate_blocks(m, "regular", p.convrot_groupsize)  # noqa: E731
     delta = sum_deltas(deltas, p.orig_shape, device=qt._qdata.device, layer=layer, map_inputs=rotate)
-    codes, scale, rescaled = _merge_on_int_grid(qt, unpack_int4(qt._qdata), delta, generator, INT4_MAX)
+    codes, scale, rescaled = _merge_on_int_grid(qt, unpack_int4_signed(qt._qdata), delta, generator, INT4_MAX)
     return _with(qt, pack_int4_signed(codes), scale=scale), rescaled
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.reference import pack_int4_signed as pack_int4
-from lowbit.lora.grid import FP8, FP8_MAX, fp8_step, grown_scale, round_to_fp8, round_to_int_grid, unpack_int4
+from lowbit.kernels.reference import pack_int4_signed, unpack_int4_signed
+from lowbit.lora.grid import FP8, FP8_MAX, fp8_step, grown_scale, round_to_fp8, round_to_int_grid
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -70,12 +70,14 @@ def test_int4_nibbles_round_trip_and_match_kitchen_packing():
     from comfy_kitchen.tensor import TensorCoreConvRotW4A4Layout
 
     codes = torch.randint(-8, 8, (8, 512), generator=_gen(5), dtype=torch.int8)
-    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+    assert torch.equal(unpack_int4_signed(pack_int4_signed(codes)), codes)
+    stacked = torch.randint(-8, 8, (3, 4, 64), generator=_gen(7), dtype=torch.int8)  # any leading dims
+    assert torch.equal(unpack_int4_signed(pack_int4_signed(stacked)), stacked)
     weight = torch.randn(8, 512, generator=_gen(6))
     qdata, params = TensorCoreConvRotW4A4Layout.quantize(weight)
     # kitchen's own dequantize = our unpacked codes x per-row scale, rotated back
     from lowbit.kernels.hadamard import unrotate_blocks
 
-    ours = unrotate_blocks(unpack_int4(qdata).float() * params.scale.reshape(-1, 1), "regular", 256)
+    ours = unrotate_blocks(unpack_int4_signed(qdata).float() * params.scale.reshape(-1, 1), "regular", 256)
     theirs = TensorCoreConvRotW4A4Layout.dequantize(qdata, params).float()
     assert torch.allclose(ours, theirs, atol=1e-5)
