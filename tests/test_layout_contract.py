@@ -322,10 +322,29 @@ def _seeded(name: str) -> bool:
     return name != "w4a8" or kitchen_version() >= Version("0.2.40")
 
 
+def _clipped_sq_error(weight: torch.Tensor, qt: QuantizedTensor) -> float:
+    """Mean squared distance of ``weight``'s rotated values from the level range of their w4a8 group.
+
+    No rounding can be unbiased there: a value beyond a group's largest level always gets that level.
+    Kitchen fits each group's scale by least squares, which clips about 5 % of the rotated values of
+    an outlier weight; the other formats' scales cover every value (their clipped error is 0)."""
+    from lowbit.kernels.hadamard import rotate_blocks
+    from lowbit.kernels.reference import w4a8_level_table
+
+    p = qt._params
+    table = w4a8_level_table(p.codebook).double()  # [fp8 scale byte, code] -> int8 level
+    levels = table[p.scale.contiguous().view(torch.uint8).long()] * p.s_channel.double().reshape(-1, 1, 1)
+    rotated = rotate_blocks(weight.float(), "regular", p.convrot_groupsize).double()
+    grouped = rotated.view(*levels.shape[:2], p.group_size)
+    low, high = levels.amin(-1, keepdim=True), levels.amax(-1, keepdim=True)
+    return (grouped - grouped.clamp(min=low, max=high)).pow(2).mean().item()
+
+
 @per_format
 def test_stochastic_rounding_is_unbiased(name):
     """The mean over 64 seeds of the dequantized weight is much closer to W than round-to-nearest
-    (theory: 1/32 of its squared error for values spread between grid points)."""
+    (theory: 1/32 of its squared error for values spread between grid points), apart from values
+    beyond the grid's ends (w4a8 only: ``_clipped_sq_error``), which every rounding clips alike."""
     if not _seeded(name):
         pytest.skip(f"w4a8 stochastic rounding needs comfy-kitchen >= 0.2.40, found {kitchen_version()}")
     codec = get_format(name)
@@ -340,7 +359,9 @@ def test_stochastic_rounding_is_unbiased(name):
     assert len(codes) == SEEDS  # every seed draws different roundings
     nearest_error = (nearest.dequantize().double() - weight.double()).pow(2).mean()
     mean_error = (mean - weight.double()).pow(2).mean()
-    assert mean_error <= 0.1 * nearest_error
+    clipped = _clipped_sq_error(weight, nearest) if name == "w4a8" else 0.0
+    assert clipped < 0.2 * nearest_error  # the grid covers most values: the check below still has teeth
+    assert mean_error <= 0.1 * nearest_error + clipped, (mean_error, nearest_error, clipped)
     again = codec.quantize(weight, compute_dtype=torch.float32, seed=SEEDS)
     assert same_bits(again._qdata, stochastic._qdata)  # a seed is reproducible
 
