@@ -133,7 +133,8 @@ def test_ci_script():
     assert script.stat().st_mode & stat.S_IXUSR, ".ci/run must be executable"
     assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
     for needed in ("torch==2.14.1", "torchvision==0.29.1", "--no-deps torchaudio==2.11.1", 'pip install -q -e ".[test]"',
-                   "COMFYUI_PATH", "lowbit:test-command:begin"):
+                   "COMFYUI_PATH", "lowbit:test-command:begin", 'comfy-kitchen==$KITCHEN_NEWEST',
+                   'PYTHONPATH="$work/kitchen-newest'):
         assert needed in text, needed
     subprocess.run(["bash", "-n", str(script)], check=True)
 
