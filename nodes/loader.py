@@ -22,6 +22,7 @@ from ..quant.errors import CheckpointFormatError, LowBitError
 from ..quant.policy import W4A4_SCALE_CHOICES, Policy
 from . import CATEGORY
 from .comfy_ops import KERNEL_BACKENDS, LowBitOpsConfig, default_dequantize_formats, install_input_fusion, lowbit_ops
+from .input_act import route_input_act_calls
 from .common import (AUTO, KEEP_FLOAT_TOOLTIP, MODE_TOOLTIP, NATIVE, PRESET_TOOLTIP, RATIO_TOOLTIP,
                      W4A4_SCALES_TOOLTIP, WEIGHT_DTYPES, NodeInputError, backend_options, make_policy, mode_options,
                      preset_options, progress_bar, weight_dtype)
@@ -137,6 +138,7 @@ def load_lowbit_diffusion_model(path: str, settings: LoadSettings, disable_dynam
         found = len(quantized_layers(model))
         if found:
             setattr(model.model, INFO_ATTR, LowBitModelInfo(source="loaded native file", ops=config.to_dict()))
+            route_input_act_calls(model.model.diffusion_model, {})
             if config.fuse_inputs and config.backend == "auto":
                 install_input_fusion(model.model.diffusion_model, {})
         else:

@@ -47,6 +47,7 @@ from ..lora.stack import LeftOut, StackSlot, active_slots, adapter_plan, low_ran
 from ..lora.twin import module_twin
 from ..quant.errors import LowBitError
 from . import CATEGORY
+from .input_act import route_input_act_calls
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,8 @@ class _DynamicApplier:
         self.loras, self.strengths, self.bypass, self.merge = loras, strengths, bypass, merge
 
     def attach(self, patcher) -> None:
+        # the hooks must run where ComfyUI's model code would compute a layer without calling it (linear_input_act)
+        route_input_act_calls(patcher.model.diffusion_model, {})
         if self.merge is not None:
             self.merge.attach(patcher.load_device, patcher.offload_device)
         try:

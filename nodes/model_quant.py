@@ -50,6 +50,7 @@ from ..quant.policy import Plan, Policy
 from ..quant.quantize import check_quantize_options, quantize_weight
 from .comfy_ops import (COMPUTE_DTYPES, PRE_QUANT_SCALE, LowBitOpsConfig, default_dequantize_formats,
                         install_input_fusion, lowbit_linear_class, mark_quantized, module_codec, set_pre_quant_scale)
+from .input_act import route_input_act_calls
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +336,7 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
         set_pre_quant_scale(module, scale, layer=decision.name, device=home)
         if progress is not None:
             progress(done, total)
+    route_input_act_calls(dm, {})
     if config.fuse_inputs and config.backend == "auto":
         install_input_fusion(dm, classes)
     return plan
