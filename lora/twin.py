@@ -21,9 +21,11 @@ import torch
 
 #: instance attributes that belong to one module object's run, never copied to a twin: Dynamic VRAM's
 #: allocation, residency and staged views, its pinned host copies, a forward replaced on the instance
-#: (ComfyUI's bypass hooks leave one bound to the source module), and the per-load weight functions
+#: (ComfyUI's bypass hooks leave one bound to the source module), and the per-load weight functions; newer
+#: ComfyUI's block-level vbar slot and CUDA graph too
 RUN_STATE = frozenset({
     "_v", "_v_signature", "_v_weight", "_v_bias", "_prefetch", "_pins", "_pin_state",
+    "_v_block", "_v_block_faulted", "_comfy_graph", "_compiled_prefetch_ring", "_comfy_cross_step_state",
     "forward", "weight_function", "bias_function", "weight_lowvram_function", "bias_lowvram_function",
 })
 

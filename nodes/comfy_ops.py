@@ -119,11 +119,16 @@ class LowBitOpsConfig:
 def default_dequantize_formats(device: torch.device) -> frozenset[str]:
     """The ``comfy_quant`` formats ComfyUI itself would run dequantized on ``device``.
 
-    Mirrors ``comfy.ops.pick_operations``: FP8 needs FP8 tensor cores, nvfp4/mxfp8 need Blackwell.
+    Mirrors ``comfy.ops.pick_operations``: FP8 needs FP8 tensor cores, nvfp4/mxfp8 need Blackwell. Newer
+    ComfyUI says it itself (``comfy.ops.get_disabled_quant_formats``, which also lists the INT8 formats on
+    devices without INT8 compute): where it exists, its list is taken as well.
     LowBit's own ``lowbit_fp8_rowwise`` is never listed: its linear is exact on any device.
     """
     mm = comfy.model_management
     disabled = set()
+    comfy_says = getattr(comfy.ops, "get_disabled_quant_formats", None)
+    if comfy_says is not None:
+        disabled |= {str(fmt) for fmt in comfy_says(device)}
     if not mm.supports_fp8_compute(device):
         disabled |= {"float8_e4m3fn", "float8_e5m2"}
     if not getattr(mm, "supports_nvfp4_compute", lambda d: False)(device):

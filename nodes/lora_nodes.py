@@ -381,8 +381,9 @@ def _twin_layers(patcher, weight_keys) -> None:
                                       lambda detached, unpatch_all: _release_pins(detached, twins))
 
 
-#: the pin subsets of ComfyUI's Dynamic VRAM a module's weight is pinned in (``comfy/pinned_memory.py``)
-WEIGHT_PIN_SUBSETS = ("weights", "weights-loaded")
+#: the pin subsets of ComfyUI's Dynamic VRAM a module's weight is pinned in (``comfy/pinned_memory.py``);
+#: newer ComfyUI pins a model read from a fast disk under ``weights-fast`` (a subset absent here is skipped)
+WEIGHT_PIN_SUBSETS = ("weights", "weights-loaded", "weights-fast")
 
 
 def _release_pins(patcher, twins) -> None:
@@ -403,6 +404,8 @@ def _release_pins(patcher, twins) -> None:
         return
     ids = {id(twin) for twin in twins}
     for subset in WEIGHT_PIN_SUBSETS:
+        if subset not in pin_state:
+            continue
         stack = pin_state[subset][1]
         lowest = next((i for i, (module, _) in enumerate(stack) if id(module) in ids), None)
         if lowest is None:

@@ -60,7 +60,9 @@ INFO_ATTR = "lowbit_info"
 #: (Dynamic VRAM's vbar allocation and pinned host buffers above all: sharing them corrupts both models)
 _RUNTIME_ATTRS = ("_v", "_v_signature", "_v_weight", "_v_bias", "_prefetch", "_pin_state", "_pins", "seed_key",
                   "weight_lowvram_function", "bias_lowvram_function", "comfy_patched_weights",
-                  "forward")  # an instance forward is a hook's leftover (a bypass eject), bound to the source module
+                  "forward",  # an instance forward is a hook's leftover (a bypass eject), bound to the source module
+                  # newer ComfyUI (Dynamic VRAM by blocks, allocation graphs): a block's vbar slot and CUDA graph
+                  "_v_block", "_v_block_faulted", "_comfy_graph", "_compiled_prefetch_ring", "_comfy_cross_step_state")
 #: model-level load bookkeeping reset on a copy (ModelPatcher.__init__ recreates the dynamic ones);
 #: ``current_patcher`` is the patcher a sampler runs the model with (ModelPatcher.pre_run sets it, cleanup
 #: clears it; BaseModel.apply_model turns Dynamic VRAM prefetching on from it): a copy has none yet

@@ -97,3 +97,32 @@ def test_strength_swaps_keep_pinned_copies_and_twins_bounded(fake_aimdo_pinned, 
         assert sum(ref() is not None for ref in twins) <= len(LAYERS)
     finally:
         release(base)
+
+
+def test_twins_pinned_from_a_fast_disk_are_released_too():
+    """Newer ComfyUI (>= 0.3x) pins a model read from a fast disk in a ``weights-fast`` subset, next to a
+    ``fast_disk`` flag in the same per-device pin state; ComfyUI 0.30 has neither, so this builds that state."""
+    from lowbit.nodes.lora_nodes import _release_pins
+
+    class Pinned(torch.nn.Module):
+        def __init__(self, nbytes):
+            super().__init__()
+            self._pins = {"weights-fast": {"pin": torch.empty(nbytes, dtype=torch.uint8)}}
+
+    base, twin_a, twin_b = Pinned(100), Pinned(30), Pinned(20)
+    calls = []
+
+    class Patcher:
+        load_device = LOAD_DEVICE
+        model = type("Model", (), {})()
+
+        def partially_unload_ram(self, size, subsets):
+            calls.append((size, tuple(subsets)))
+
+    patcher = Patcher()
+    stack = [(base, 0), (twin_a, 100), (twin_b, 130)]
+    patcher.model.dynamic_pins = {LOAD_DEVICE: {"weights": (None, [], [0], [0], [0], {}),
+                                                "weights-fast": (None, stack, [0], [0], [0], {}),
+                                                "fast_disk": True}}
+    _release_pins(patcher, [twin_a, twin_b])
+    assert calls == [(50, ("weights-fast",))]

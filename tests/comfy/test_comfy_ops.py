@@ -90,6 +90,18 @@ def test_default_dequantize_formats_follow_comfyui_on_this_device():
     assert "lowbit_fp8_rowwise" not in formats and "int8_tensorwise" not in formats
 
 
+def test_default_dequantize_formats_take_newer_comfyuis_own_list(monkeypatch):
+    """ComfyUI >= 0.3x answers ``get_disabled_quant_formats(device)`` itself (INT8 formats on devices without INT8
+    compute, e.g. XPU); LowBit then dequantizes what stock would, on top of its own FP8/Blackwell checks."""
+    asked = []
+    monkeypatch.setattr(comfy.ops, "get_disabled_quant_formats",
+                        lambda dev: asked.append(dev) or {"int8_tensorwise", "asym_w4a8_int8"}, raising=False)
+    formats = default_dequantize_formats(device())
+    assert asked == [device()]
+    assert {"int8_tensorwise", "asym_w4a8_int8"} <= formats
+    assert ("float8_e4m3fn" in formats) == (not comfy.model_management.supports_fp8_compute(device()))
+
+
 def test_every_load_gets_its_own_ops_class_and_config(tmp_dir):
     path = _file("int8", tmp_dir)
     a = LowBitOpsConfig(compute_dtype=torch.float32, backend="eager")

@@ -211,15 +211,18 @@ def test_model_copy_shares_weight_storage_but_no_load_state(float_model):
     layer._pins = {"weights": {"pin": torch.zeros(4)}}  # as Dynamic VRAM leaves them on a loaded module
     layer._v = object()
     layer.weight_function = [lambda w: w]
+    block = source.diffusion_model.double_blocks[0]
+    block._v_block, block._comfy_graph = object(), object()  # newer ComfyUI: a block's vbar slot and CUDA graph
     try:
         copy = copy_model(source)
     finally:
-        del layer._pins, layer._v
+        del layer._pins, layer._v, block._v_block, block._comfy_graph
         layer.weight_function = []
     copied = copy.diffusion_model.double_blocks[0].img_attn.qkv
     assert copied is not layer and copied.weight is not layer.weight
     assert copied.weight.data_ptr() == layer.weight.data_ptr()
     assert "_pins" not in copied.__dict__ and "_v" not in copied.__dict__ and copied.weight_function == []
+    assert not {"_v_block", "_comfy_graph"} & set(copy.diffusion_model.double_blocks[0].__dict__)
     assert copy.model_loaded_weight_memory == 0 and copy.current_weight_patches_uuid is None
     copied.weight = torch.nn.Parameter(torch.zeros_like(copied.weight), requires_grad=False)
     assert layer.weight.abs().sum() > 0  # replacing a weight on the copy leaves the source alone
