@@ -256,3 +256,20 @@ def test_stock_agreement_diag_reports_every_backend_and_the_stock_run(tmp_path):
     fp8 = report["formats"]["fp8_rowwise"]
     assert "lowbit_fp8_rowwise" in fp8["stock"] and "auto_vs_stock_db" not in fp8
     assert isinstance(fp8["auto"], dict) and "int8_linear" in fp8["kitchen"]
+
+
+def test_wan_ffn_bench_times_stock_and_routed_int8_ffns(tmp_path):
+    """``bench_wan_ffn.py``: the quantized FFN through ComfyUI's fused call and through LowBit's routed layer, both
+    against the float FFN; on the CPU both run kitchen's eager INT8 numerics, so their errors agree."""
+    out = tmp_path / "wan_ffn.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(GPU_DIR / "bench_wan_ffn.py"), "--device", "cpu", "--sizes", "tiny", "--tokens", "16",
+           "48", "--iters", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [16, 48]
+    for row in rows:
+        assert all(math.isfinite(row[f"{m}_us"]) and row[f"{m}_us"] > 0 for m in ("bf16", "stock_fused", "lowbit"))
+        assert 0 < row["lowbit_err"] < 0.05 and 0 < row["stock_fused_err"] < 0.05
+        assert math.isclose(row["lowbit_err"], row["stock_fused_err"], rel_tol=0.05)
