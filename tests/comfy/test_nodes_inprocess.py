@@ -208,16 +208,21 @@ def test_model_copy_shares_weight_storage_but_no_load_state(float_model):
     the per-module load state (Dynamic VRAM vbar slots and pinned buffers, lowvram patches)."""
     source = float_model.model
     layer = source.diffusion_model.double_blocks[0].img_attn.qkv
-    layer._pins = {"weights": {"pin": torch.zeros(4)}}  # as Dynamic VRAM leaves them on a loaded module
-    layer._v = object()
-    layer.weight_function = [lambda w: w]
     block = source.diffusion_model.double_blocks[0]
-    block._v_block, block._comfy_graph = object(), object()  # newer ComfyUI: a block's vbar slot and CUDA graph
+    planted = {(layer, "_pins"): {"weights": {"pin": torch.zeros(4)}},  # as Dynamic VRAM leaves them on a module
+               (layer, "_v"): object(), (layer, "weight_function"): [lambda w: w],
+               (block, "_v_block"): object(), (block, "_comfy_graph"): object()}  # newer ComfyUI: per block
+    # under Dynamic VRAM the float model is really loaded: its own values go back afterwards
+    saved = {key: key[0].__dict__[key[1]] for key in planted if key[1] in key[0].__dict__}
+    for (module, name), value in planted.items():
+        module.__dict__[name] = value
     try:
         copy = copy_model(source)
     finally:
-        del layer._pins, layer._v, block._v_block, block._comfy_graph
-        layer.weight_function = []
+        for module, name in planted:
+            module.__dict__.pop(name, None)
+        for (module, name), value in saved.items():
+            module.__dict__[name] = value
     copied = copy.diffusion_model.double_blocks[0].img_attn.qkv
     assert copied is not layer and copied.weight is not layer.weight
     assert copied.weight.data_ptr() == layer.weight.data_ptr()

@@ -40,9 +40,16 @@ def one_block_wan(dim: int, ffn: int, heads: int, device: torch.device):
     import comfy.ops
     import comfy.sd
 
-    shapes = wan_model.WanModel(model_type="t2v", dim=dim, ffn_dim=ffn, freq_dim=256, text_dim=4096, num_heads=heads,
-                                num_layers=1, in_dim=16, out_dim=16, device="meta",
-                                operations=comfy.ops.disable_weight_init).state_dict()
+    import comfy.memory_management
+
+    lazy = getattr(comfy.memory_management, "aimdo_enabled", False)
+    comfy.memory_management.aimdo_enabled = False  # with Dynamic VRAM on, ComfyUI's layers wait for a state dict
+    try:
+        shapes = wan_model.WanModel(model_type="t2v", dim=dim, ffn_dim=ffn, freq_dim=256, text_dim=4096, num_heads=heads,
+                                    num_layers=1, in_dim=16, out_dim=16, device="meta",
+                                    operations=comfy.ops.disable_weight_init).state_dict()
+    finally:
+        comfy.memory_management.aimdo_enabled = lazy
     gen = torch.Generator(device=device).manual_seed(0)
     sd = {}
     for key, t in shapes.items():
