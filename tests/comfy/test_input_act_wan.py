@@ -155,3 +155,39 @@ def test_a_dynamic_lora_on_the_ffn_output_layer_takes_effect(wan, tmp_path):
     assert sqnr_db(float_lora_out, float_base) < 15
     assert sqnr_db(float_lora_out, lora_out) > sqnr_db(float_lora_out, base) + 10
     assert sqnr_db(float_lora_out, lora_out) > 25
+
+
+def test_a_dynamic_lora_on_a_stock_loaded_int8_wan_takes_effect(wan, tmp_path):
+    """A native ``int8_convrot`` Wan file loaded by ComfyUI's own loader (kitchen's layers, not LowBit's), with a
+    LowBit ``dynamic`` stack: ComfyUI's fused call would run ffn.2 without the stack's hook."""
+    from safetensors.torch import save_file as save
+
+    from lowbit.quant.convert import convert_file
+
+    sd, float_model, _ = wan
+    src, dst = tmp_path / "wan_bf16.safetensors", tmp_path / "wan_int8.safetensors"
+    save({k: v.contiguous() for k, v in sd.items()}, str(src))
+    convert_file(src, dst, Policy(mode="int8_convrot"))
+    stock = comfy.sd.load_diffusion_model(str(dst))
+    ffn2 = stock.model.diffusion_model.blocks[0].ffn[2]
+    assert not is_lowbit_linear(ffn2) and ffn2.weight._layout_cls == "TensorWiseINT8Layout"
+    entry = _lora(tmp_path / "ffn_lora.safetensors", sd)
+    with_lora, _ = apply_lora_stack(stock, [entry], "dynamic")
+    float_lora, _ = apply_lora_stack(float_model, [entry], "dynamic")
+    float_lora_out, base = _ffn_output(float_lora), _ffn_output(stock)
+    lora_out = _ffn_output(with_lora)
+    assert sqnr_db(float_lora_out, lora_out) > sqnr_db(float_lora_out, base) + 10
+    assert sqnr_db(float_lora_out, lora_out) > 25
+
+
+def test_swiglu_runs_as_comfyui_computes_it_eagerly(wan):
+    """MiniMax's ``"swiglu"``: a LowBit layer gets ``linear(INPUT_ACT_EAGER["swiglu"](x))``."""
+    _, _, quantized = wan
+    linear = quantized.model.diffusion_model.blocks[0].ffn[2]  # a LowBit int8_convrot layer, 512 inputs
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4)).to(linear.weight.dtype)
+    comfy.model_management.load_models_gpu([quantized])
+    x = x.to(quantized.load_device)
+    with torch.no_grad():
+        out = input_act.linear_input_act(linear, x, "swiglu")
+        expected = linear(comfy.ops.INPUT_ACT_EAGER["swiglu"](x))
+    assert torch.equal(out, expected)
