@@ -273,3 +273,21 @@ def test_wan_ffn_bench_times_stock_and_routed_int8_ffns(tmp_path):
         assert all(math.isfinite(row[f"{m}_us"]) and row[f"{m}_us"] > 0 for m in ("bf16", "stock_fused", "lowbit"))
         assert 0 < row["lowbit_err"] < 0.05 and 0 < row["stock_fused_err"] < 0.05
         assert math.isclose(row["lowbit_err"], row["stock_fused_err"], rel_tol=0.05)
+
+
+def test_wan_step_bench_runs_stock_and_lowbit_modes_on_the_same_weights(tmp_path):
+    """``bench_wan_step.py``: stock ComfyUI's native ``int8_convrot`` and LowBit's, on the same random Wan; on the
+    CPU both run kitchen's eager INT8 numerics, so their errors against bf16 agree; 4-bit is further off."""
+    out = tmp_path / "wan_step.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(GPU_DIR / "bench_wan_step.py"), "--device", "cpu", "--size", "tiny", "--blocks", "1",
+           "--frames", "1", "--height", "8", "--width", "8", "--text-tokens", "8", "--iters", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"bf16", "stock_int8_convrot", "int8_convrot", "fp8_rowwise", "w4a4"}
+    assert modes["bf16"]["error"] == 0 and modes["bf16"]["x_bf16"] == 1
+    assert all(math.isfinite(m["ms"]) and m["ms"] > 0 for m in modes.values())
+    assert 0 < modes["int8_convrot"]["error"] < 0.05
+    assert math.isclose(modes["int8_convrot"]["error"], modes["stock_int8_convrot"]["error"], rel_tol=0.05)
+    assert modes["w4a4"]["error"] > modes["int8_convrot"]["error"]
