@@ -191,3 +191,44 @@ def test_swiglu_runs_as_comfyui_computes_it_eagerly(wan):
         out = input_act.linear_input_act(linear, x, "swiglu")
         expected = linear(comfy.ops.INPUT_ACT_EAGER["swiglu"](x))
     assert torch.equal(out, expected)
+
+
+def test_the_routed_ffn_compiles_fullgraph(wan, monkeypatch):
+    """Compile Quantized Model (LowBit) on the quantized Wan, ``fullgraph=True``: Dynamo traces the routed forward
+    (its globals read through LowBit's namespace) without a break, and aot_eager gives eager's exact output.
+    (One block is no repeated block list: the node compiles the whole model, one graph.)"""
+    import comfy.ldm.modules.attention
+    from torch._dynamo.utils import counters
+
+    from lowbit.nodes.compile import CompileSettings, compile_model, compile_wrapper
+
+    # ComfyUI's CPU attention cannot be traced; the PyTorch one is what a CUDA install runs
+    monkeypatch.setattr(wan_model, "optimized_attention", comfy.ldm.modules.attention.attention_pytorch)
+    _, _, quantized = wan
+    compiled = compile_model(quantized, CompileSettings(backend="aot_eager", fullgraph=True))
+    twin = compiled.clone()
+    from comfy.patcher_extension import WrappersMP
+
+    from lowbit.nodes.compile import WRAPPER_KEY
+
+    twin.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    reference = _run(twin)
+    before = counters["stats"]["unique_graphs"]
+    out = _run_with_wrappers(compiled)
+    state = compile_wrapper(compiled).state
+    assert state.failure is None and state.regions == ("WanModel",)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert torch.equal(out, reference)
+
+
+def _run_with_wrappers(model_patcher) -> torch.Tensor:
+    """:func:`_run` with the patcher's wrappers in ``transformer_options``, as ComfyUI's sampler passes them."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 16, 1, 8, 8, generator=gen)
+    context = torch.randn(1, 8, 4096, generator=gen)
+    comfy.model_management.load_models_gpu([model_patcher])
+    dev = model_patcher.load_device
+    with torch.no_grad():
+        out = model_patcher.model.apply_model(x.to(dev), torch.tensor([0.7], device=dev), c_crossattn=context.to(dev),
+                                              transformer_options={"wrappers": model_patcher.wrappers})
+    return out.float().cpu()
