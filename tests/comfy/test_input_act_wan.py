@@ -50,15 +50,18 @@ def _wan_state_dict() -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(model_patcher) -> torch.Tensor:
+def _run(model_patcher, wrappers: bool = False) -> torch.Tensor:
+    """One call of the model (``wrappers``: with the patcher's wrappers in ``transformer_options``, as ComfyUI's
+    sampler passes them)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, 16, 1, 8, 8, generator=gen)
     context = torch.randn(1, 8, 4096, generator=gen)
     comfy.model_management.load_models_gpu([model_patcher])
     dev = model_patcher.load_device
+    options = {"transformer_options": {"wrappers": model_patcher.wrappers}} if wrappers else {}
     with torch.no_grad():
         out = model_patcher.model.apply_model(x.to(dev), torch.tensor([0.7], device=dev),
-                                              c_crossattn=context.to(dev))
+                                              c_crossattn=context.to(dev), **options)
     return out.float().cpu()
 
 
@@ -214,21 +217,8 @@ def test_the_routed_ffn_compiles_fullgraph(wan, monkeypatch):
     twin.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)
     reference = _run(twin)
     before = counters["stats"]["unique_graphs"]
-    out = _run_with_wrappers(compiled)
+    out = _run(compiled, wrappers=True)
     state = compile_wrapper(compiled).state
     assert state.failure is None and state.regions == ("WanModel",)
     assert counters["stats"]["unique_graphs"] - before == 1
     assert torch.equal(out, reference)
-
-
-def _run_with_wrappers(model_patcher) -> torch.Tensor:
-    """:func:`_run` with the patcher's wrappers in ``transformer_options``, as ComfyUI's sampler passes them."""
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(1, 16, 1, 8, 8, generator=gen)
-    context = torch.randn(1, 8, 4096, generator=gen)
-    comfy.model_management.load_models_gpu([model_patcher])
-    dev = model_patcher.load_device
-    with torch.no_grad():
-        out = model_patcher.model.apply_model(x.to(dev), torch.tensor([0.7], device=dev), c_crossattn=context.to(dev),
-                                              transformer_options={"wrappers": model_patcher.wrappers})
-    return out.float().cpu()

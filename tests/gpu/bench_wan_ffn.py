@@ -31,31 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_flux_step as bench  # noqa: E402
-
-SIZES = {"1.3b": (1536, 8960, 12), "14b": (5120, 13824, 40), "tiny": (256, 512, 2)}  # dim, ffn_dim, heads
+from bench_wan_step import SIZES, wan_state_dict  # noqa: E402
 
 
 def one_block_wan(dim: int, ffn: int, heads: int, device: torch.device):
-    import comfy.ldm.wan.model as wan_model
-    import comfy.ops
     import comfy.sd
 
-    import comfy.memory_management
-
-    lazy = getattr(comfy.memory_management, "aimdo_enabled", False)
-    comfy.memory_management.aimdo_enabled = False  # with Dynamic VRAM on, ComfyUI's layers wait for a state dict
-    try:
-        shapes = wan_model.WanModel(model_type="t2v", dim=dim, ffn_dim=ffn, freq_dim=256, text_dim=4096, num_heads=heads,
-                                    num_layers=1, in_dim=16, out_dim=16, device="meta",
-                                    operations=comfy.ops.disable_weight_init).state_dict()
-    finally:
-        comfy.memory_management.aimdo_enabled = lazy
-    gen = torch.Generator(device=device).manual_seed(0)
-    sd = {}
-    for key, t in shapes.items():
-        value = torch.randn(t.shape, generator=gen, device=device)
-        sd[key] = (value * (t.shape[-1] ** -0.5 if t.dim() >= 2 else 0.02)).to(torch.bfloat16).cpu()
-    return comfy.sd.load_diffusion_model_state_dict(sd)
+    return comfy.sd.load_diffusion_model_state_dict(wan_state_dict(dim, ffn, heads, 1, device))
 
 
 def timed(fn, device: torch.device, iters: int) -> float:
