@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 ROUTED_ATTR = "_lowbit_routes_input_act"  # set on the per-model subclasses this module makes
 _NAME = "linear_input_act"
+_warned: set[str] = set()  # activations already warned about (once per process)
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -71,8 +72,11 @@ def linear_input_act(linear, x, input_act, act_weight=None, act_eps=0.0, residua
     else:
         h = _eager_act(x, input_act, act_weight, act_eps)
         if h is None:
-            log.warning("LowBit: ComfyUI asked for input activation %r, which LowBit does not know; this layer runs "
-                        "through ComfyUI's own fused function", input_act)
+            if input_act not in _warned:
+                _warned.add(input_act)
+                log.warning("LowBit: ComfyUI asked for input activation %r, which LowBit does not know; layers given "
+                            "it run through ComfyUI's own fused function (without LowBit's kernels or run-time LoRA "
+                            "terms)", input_act)
             return comfy.ops.linear_input_act(linear, x, input_act, **extra)
     out = linear(h)
     return out if residual is None else torch.addcmul(residual, out, residual_scale)

@@ -118,6 +118,19 @@ def test_a_float_layer_keeps_comfyuis_own_function(wan, monkeypatch):
     assert torch.equal(out, linear(torch.nn.functional.gelu(x, approximate="tanh"))) and len(seen) == 1
 
 
+def test_an_activation_lowbit_does_not_know_goes_to_comfyuis_function_with_one_warning(monkeypatch, caplog):
+    linear = torch.nn.Linear(8, 4)
+    linear.register_forward_hook(lambda module, args, out: out)
+    seen = []
+    monkeypatch.setattr(comfy.ops, "linear_input_act", lambda lin, x, act, **extra: seen.append(act) or x)
+    x = torch.randn(2, 8)
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert input_act.linear_input_act(linear, x, "future_act") is x
+    assert seen == ["future_act"] * 3
+    assert sum("future_act" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_newer_comfyuis_residual_and_rms_norm_arguments_are_computed_as_comfyui_defines_them():
     """ComfyUI >= 0.36 passes ``act_weight``/``act_eps`` (``"rms_norm"``) and ``residual``/``residual_scale``."""
     import comfy.rmsnorm
