@@ -45,6 +45,11 @@ def runs_as_module(linear: torch.nn.Module) -> bool:
     return is_lowbit_linear(linear) or _has_hooks(linear)
 
 
+def _fuses_inputs(linear: torch.nn.Module) -> bool:
+    config = linear.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
+    return config.fuse_inputs and config.backend == "auto"
+
+
 def _eager_act(x: torch.Tensor, input_act, act_weight, act_eps):
     """``act(x)`` as ComfyUI's eager fallback computes it, or ``None`` for an activation LowBit does not know."""
     if input_act is None:
@@ -63,11 +68,10 @@ def linear_input_act(linear, x, input_act, act_weight=None, act_eps=0.0, residua
         extra.update(act_weight=act_weight, act_eps=act_eps)
     if residual is not None or residual_scale is not None:
         extra.update(residual=residual, residual_scale=residual_scale)
-    if not runs_as_module(linear):
+    lowbit, hooked = is_lowbit_linear(linear), _has_hooks(linear)
+    if not (lowbit or hooked):
         return comfy.ops.linear_input_act(linear, x, input_act, **extra)
-    config = linear.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
-    if (input_act == "gelu_tanh" and is_lowbit_linear(linear) and not _has_hooks(linear) and config.fuse_inputs
-            and config.backend == "auto"):
+    if input_act == "gelu_tanh" and lowbit and not hooked and _fuses_inputs(linear):
         h = defer_gelu(x, "tanh")  # computed inside the activation quantization where the layer can
     else:
         h = _eager_act(x, input_act, act_weight, act_eps)

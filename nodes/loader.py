@@ -22,10 +22,10 @@ from ..quant.errors import CheckpointFormatError, LowBitError
 from ..quant.policy import W4A4_SCALE_CHOICES, Policy
 from . import CATEGORY
 from .comfy_ops import KERNEL_BACKENDS, LowBitOpsConfig, default_dequantize_formats, install_input_fusion, lowbit_ops
-from .input_act import route_input_act_calls
 from .common import (AUTO, KEEP_FLOAT_TOOLTIP, MODE_TOOLTIP, NATIVE, PRESET_TOOLTIP, RATIO_TOOLTIP,
                      W4A4_SCALES_TOOLTIP, WEIGHT_DTYPES, NodeInputError, backend_options, make_policy, mode_options,
                      preset_options, progress_bar, weight_dtype)
+from .input_act import route_input_act_calls
 from .model_quant import (INFO_ATTR, LowBitModelInfo, NotADiffusionModelError, quantize_in_place,
                           quantized_layers)
 
