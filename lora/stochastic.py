@@ -11,7 +11,7 @@ Layouts without an in-basis rule here (``w4a8``'s codebook packing, and any futu
 the general path: dequantize, add, requantize with the codec's options and seed. So do
 ``fp8_rowwise`` weights with outlier channels (``[N, K + 2r]`` codes, two e4m3 terms on the indexed
 channels): requantizing keeps their ``outlier_index`` (the layout's ``requantize_kwargs``). ``w4a8`` stochastic
-requantization needs comfy-kitchen >= 0.2.40; older kitchens round to nearest (logged once).
+requantization needs comfy-kitchen >= 0.2.28; older kitchens round to nearest (logged once).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def _requantize(codec: FormatCodec, qt: QuantizedTensor, deltas, seed: int | Non
             _warned.add(qt._layout_cls)
             log.warning("LowBit LoRA: this comfy-kitchen cannot round %s (%s) weights stochastically; merged LoRAs "
                         "are rounded to nearest, so very weak LoRAs may be rounded away. Upgrade comfy-kitchen to "
-                        ">= 0.2.40 for stochastic merging, or use Dynamic mode.", codec.spec.name, qt._layout_cls)
+                        ">= 0.2.28 for stochastic merging, or use Dynamic mode.", codec.spec.name, qt._layout_cls)
     try:
         # the layout's own options (for w4a8: the codebook already chosen, the scale dtype)
         new = qt.requantize_from_float(merged, **kwargs)

@@ -20,7 +20,7 @@ from lowbit.quant.formats import get_format
 SHAPE = (OUT_FEATURES, IN_FEATURES)
 KITCHEN_W4A8_SEED = "stochastic_rounding" in inspect.signature(AsymW4A8Int8Layout.quantize).parameters
 NEEDS_SEEDED_REQUANT = pytest.mark.skipif(
-    not KITCHEN_W4A8_SEED, reason="w4a8 merges requantize; stochastic rounding there needs comfy-kitchen >= 0.2.40 "
+    not KITCHEN_W4A8_SEED, reason="w4a8 merges requantize; stochastic rounding there needs comfy-kitchen >= 0.2.28 "
                                   "(this one rounds to nearest - see test_w4a8_merge_falls_back_to_nearest_with_warning)")
 
 
@@ -200,7 +200,7 @@ def test_w4a8_merge_falls_back_to_nearest_with_warning(caplog):
     stochastic._warned.discard(qt._layout_cls)
     with caplog.at_level(logging.WARNING, logger="lowbit.lora.stochastic"):
         merged = merge_stochastic(codec, qt, [lora], seed=3)
-    assert "Upgrade comfy-kitchen to >= 0.2.40" in caplog.text
+    assert "Upgrade comfy-kitchen to >= 0.2.28" in caplog.text
     nearest = merge_nearest(codec, qt, [lora])
     assert torch.equal(merged._qdata, nearest._qdata)
     assert merged._params.codebook is not None and torch.equal(merged._params.codebook, qt._params.codebook)

@@ -50,7 +50,7 @@ class W4A8AsymCodec(KitchenKernelCodec):
         if seed > 0:
             if not _SUPPORTS_SEED:
                 raise ValueError(
-                    f"stochastic rounding (seed={seed}) of w4a8 weights needs comfy-kitchen >= 0.2.40, found "
+                    f"stochastic rounding (seed={seed}) of w4a8 weights needs comfy-kitchen >= 0.2.28, found "
                     f"comfy-kitchen {_kitchen_version()}; upgrade comfy-kitchen or quantize with seed=0")
             kwargs["stochastic_rounding"] = seed
         return AsymW4A8Int8Layout.quantize(weight, **kwargs)
