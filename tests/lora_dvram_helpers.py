@@ -31,12 +31,21 @@ LOAD_DEVICE = torch.device("cpu", 0)  # not == torch.device("cpu"): ComfyUI give
 CAST_DEVICE = torch.device("meta")  # any device but the weights' own sends cast_bias_weight down the vbar path
 
 
-class _Allocation:
-    """One module's VRAM allocation: bytes, and the signature of its current residency (None: evicted)."""
+class _Allocation(tuple):
+    """One module's VRAM allocation: bytes, and the signature of its current residency (None: evicted).
+    A ``(vbar, offset, size)`` tuple, as comfy-aimdo's ``ModelVBAR.alloc`` returns: ComfyUI 0.31+ reads
+    the offset and size to span a block's layers with one range (``_v_block``)."""
 
-    def __init__(self, size: int):
-        self.buffer = torch.zeros(size, dtype=torch.uint8)
-        self.signature = None
+    def __new__(cls, vbar, offset: int, size: int):
+        allocation = super().__new__(cls, (vbar, offset, size))
+        allocation.buffer = torch.zeros(size, dtype=torch.uint8)
+        allocation.signature = None
+        return allocation
+
+    __hash__ = object.__hash__  # identity, as for comfy-aimdo's tuples of distinct offsets
+
+    def __eq__(self, other):
+        return self is other
 
 
 class FakeVBAR:
@@ -44,12 +53,14 @@ class FakeVBAR:
 
     def __init__(self, size, device_index):
         self.allocations: list[_Allocation] = []
+        self.offset = 0
 
     def prioritize(self):
         pass
 
     def alloc(self, size):
-        self.allocations.append(_Allocation(int(size)))
+        self.allocations.append(_Allocation(self, self.offset, int(size)))
+        self.offset += int(size)
         return self.allocations[-1]
 
     def loaded_size(self):
