@@ -394,6 +394,93 @@ def test_dynamic_vram_streams_quantized_layers_and_patches_offloaded_ones(monkey
     assert staged[streamed[0]]._v_signature is None, "the streamed layer was paged back in"
 
 
+def _prefetch_blocks(monkeypatch, dm, dev):
+    """Run ``dm``'s Flux blocks through ComfyUI's block prefetch queue (``comfy.model_prefetch``, ComfyUI
+    0.31+), the way newer ComfyUI's DiTs run theirs (LTX-2, MiniMax H3 in 0.33; most DiTs in 0.38): before
+    each block, ``prefetch_queue_pop`` releases the previous block's casts and casts every layer of the
+    next one with a VBAR slot at once (``cast_modules_with_vbar``: pins resident pages, streams the rest on
+    an offload stream); each layer's ``cast_bias_weight`` then takes its weight from that prefetch. Flux
+    itself does not use the queue in 0.33, so forward pre-hooks make the same calls around its blocks.
+    Returns the lists of layers each prefetch cast."""
+    import comfy.model_prefetch
+
+    blocks = [*dm.double_blocks, *dm.single_blocks]
+    state = {"queue": None}
+    casts = []
+    real_cast = comfy.ops.cast_modules_with_vbar
+
+    def recording_cast(comfy_modules, *args, **kwargs):
+        casts.append(list(comfy_modules))
+        return real_cast(comfy_modules, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.ops, "cast_modules_with_vbar", recording_cast)
+
+    def before_block(block, _args):
+        if block is blocks[0]:
+            options = {"prefetch_dynamic_vbars": True}  # what model_base sets for a Dynamic VRAM model
+            state["queue"] = comfy.model_prefetch.make_prefetch_queue(list(blocks), dev, options)
+            assert state["queue"] is not None, "ComfyUI did not make a prefetch queue on this CUDA device"
+        comfy.model_prefetch.prefetch_queue_pop(state["queue"], dev, block)
+
+    def after_blocks(_module, _args):
+        comfy.model_prefetch.prefetch_queue_pop(state["queue"], dev, None)
+
+    hooks = [block.register_forward_pre_hook(before_block) for block in blocks]
+    hooks.append(dm.final_layer.register_forward_pre_hook(after_blocks))
+    return casts, hooks
+
+
+def test_block_prefetch_of_newer_comfyui_streams_quantized_layers(monkeypatch):
+    """ComfyUI 0.31+ casts a whole block's Dynamic VRAM layers ahead of the block (``comfy.model_prefetch``)
+    and leaves each layer a ``_prefetch`` record that its ``cast_bias_weight`` consumes. LowBit's quantized
+    layers, partly streamed and with a LoRA patched on the fly, must give the same output through it as
+    without it, and leave no prefetch state behind."""
+    if not dynamic_vram_on():
+        pytest.skip("Dynamic VRAM (comfy-aimdo's ModelPatcherDynamic) needs a CUDA device: run with "
+                    "LOWBIT_TEST_DEVICE=cuda LOWBIT_TEST_DYNAMIC_VRAM=1 (tests/gpu/README.md)")
+    prefetch = pytest.importorskip("comfy.model_prefetch", reason="ComfyUI before 0.31 has no block prefetch")
+    if not hasattr(prefetch, "make_prefetch_queue"):
+        pytest.skip("this ComfyUI's comfy.model_prefetch has no block prefetch queue")
+    import comfy.sd
+
+    float_sd = tiny_flux_state_dict(TinyFluxConfig(hidden_size=DYNAMIC_VRAM_HIDDEN), seed=0)
+    float_model = load_stock(float_sd)
+    quantized = quantize_model(float_model, Policy(mode="int8_convrot"))
+    layers = {name for name, _, _ in quantized_layers(quantized)}
+    lora = _lora_on_every_quantized_layer(quantized, float_sd)
+    with_lora = comfy.sd.load_lora_for_models(quantized, None, lora, 1.0, 0.0)[0]
+    reference = run_flux(comfy.sd.load_lora_for_models(float_model, None, lora, 1.0, 0.0)[0])
+
+    run_flux(with_lora)
+    vbar = with_lora.model.dynamic_vbars[with_lora.load_device]
+    resident_bytes = vbar.loaded_size()
+    loaded = next(m for m in comfy.model_management.current_loaded_models if m.model is with_lora)
+    assert loaded.model_unload(memory_to_free=resident_bytes // 2) is False, "the model should stay partly loaded"
+    plain_out = run_flux(with_lora, load=False)
+
+    dm = with_lora.model.diffusion_model
+    casts, hooks = _prefetch_blocks(monkeypatch, dm, with_lora.load_device)
+    try:
+        prefetched_out = run_flux(with_lora, load=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        prefetch.cleanup_prefetch_queues()
+
+    names = {module: name for name, module in dm.named_modules()}
+    cast_layers = {names[m] for modules in casts for m in modules}
+    assert layers <= cast_layers, f"layers the prefetch never cast: {sorted(layers - cast_layers)[:5]}"
+    streamed = [name for name in layers if dm.get_submodule(name)._v_signature is None]
+    assert streamed, "want a partly loaded model: every quantized layer stayed resident"
+    assert not [name for name, m in dm.named_modules() if hasattr(m, "_prefetch")], "prefetch state left behind"
+    for name, fmt, _ in quantized_layers(with_lora):
+        assert fmt == "int8_convrot", name
+    # the same weights reach the kernels with or without the prefetch: the outputs agree to rounding
+    assert sqnr_db(plain_out, prefetched_out) > 60.0, sqnr_db(plain_out, prefetched_out)
+    with_sqnr = sqnr_db(reference, prefetched_out)
+    assert with_sqnr > 22.0, with_sqnr
+
+
 def test_module_moves_keep_the_weight_quantized(int8_model):
     layer = int8_model.model.diffusion_model.get_submodule(LAYER)
     qdata = layer.weight._qdata
