@@ -394,47 +394,66 @@ def test_dynamic_vram_streams_quantized_layers_and_patches_offloaded_ones(monkey
     assert staged[streamed[0]]._v_signature is None, "the streamed layer was paged back in"
 
 
-def _prefetch_blocks(monkeypatch, dm, dev):
+class _CastRecorder:
+    """Records ``comfy.ops.cast_modules_with_vbar`` calls: the module lists the block prefetch casts (made
+    inside ``prefetch_queue_pop``) apart from the ones a layer's own ``cast_bias_weight`` makes for it
+    alone (it does when no prefetch record waits on the layer)."""
+
+    def __init__(self, monkeypatch):
+        self.in_prefetch = False
+        self.prefetch_casts: list[list] = []
+        self.layer_casts: list[list] = []
+        real_cast = comfy.ops.cast_modules_with_vbar
+
+        def recording_cast(comfy_modules, *args, **kwargs):
+            (self.prefetch_casts if self.in_prefetch else self.layer_casts).append(list(comfy_modules))
+            return real_cast(comfy_modules, *args, **kwargs)
+
+        monkeypatch.setattr(comfy.ops, "cast_modules_with_vbar", recording_cast)
+
+    def pop(self, queue, dev, block):
+        import comfy.model_prefetch
+
+        self.in_prefetch = True
+        try:
+            comfy.model_prefetch.prefetch_queue_pop(queue, dev, block)
+        finally:
+            self.in_prefetch = False
+
+
+def _prefetch_blocks(recorder: _CastRecorder, dm, dev):
     """Run ``dm``'s Flux blocks through ComfyUI's block prefetch queue (``comfy.model_prefetch``, ComfyUI
     0.31+), the way newer ComfyUI's DiTs run theirs (LTX-2, MiniMax H3 in 0.33; most DiTs in 0.38): before
     each block, ``prefetch_queue_pop`` releases the previous block's casts and casts every layer of the
     next one with a VBAR slot at once (``cast_modules_with_vbar``: pins resident pages, streams the rest on
     an offload stream); each layer's ``cast_bias_weight`` then takes its weight from that prefetch. Flux
     itself does not use the queue in 0.33, so forward pre-hooks make the same calls around its blocks.
-    Returns the lists of layers each prefetch cast."""
+    Returns the hooks."""
     import comfy.model_prefetch
 
     blocks = [*dm.double_blocks, *dm.single_blocks]
     state = {"queue": None}
-    casts = []
-    real_cast = comfy.ops.cast_modules_with_vbar
-
-    def recording_cast(comfy_modules, *args, **kwargs):
-        casts.append(list(comfy_modules))
-        return real_cast(comfy_modules, *args, **kwargs)
-
-    monkeypatch.setattr(comfy.ops, "cast_modules_with_vbar", recording_cast)
 
     def before_block(block, _args):
         if block is blocks[0]:
             options = {"prefetch_dynamic_vbars": True}  # what model_base sets for a Dynamic VRAM model
             state["queue"] = comfy.model_prefetch.make_prefetch_queue(list(blocks), dev, options)
             assert state["queue"] is not None, "ComfyUI did not make a prefetch queue on this CUDA device"
-        comfy.model_prefetch.prefetch_queue_pop(state["queue"], dev, block)
+        recorder.pop(state["queue"], dev, block)
 
     def after_blocks(_module, _args):
-        comfy.model_prefetch.prefetch_queue_pop(state["queue"], dev, None)
+        recorder.pop(state["queue"], dev, None)
 
     hooks = [block.register_forward_pre_hook(before_block) for block in blocks]
     hooks.append(dm.final_layer.register_forward_pre_hook(after_blocks))
-    return casts, hooks
+    return hooks
 
 
 def test_block_prefetch_of_newer_comfyui_streams_quantized_layers(monkeypatch):
     """ComfyUI 0.31+ casts a whole block's Dynamic VRAM layers ahead of the block (``comfy.model_prefetch``)
-    and leaves each layer a ``_prefetch`` record that its ``cast_bias_weight`` consumes. LowBit's quantized
-    layers, partly streamed and with a LoRA patched on the fly, must give the same output through it as
-    without it, and leave no prefetch state behind."""
+    and leaves each layer a ``_prefetch`` record that its ``cast_bias_weight`` consumes instead of casting
+    the layer again. LowBit's quantized layers, partly streamed and with a LoRA patched on the fly, must
+    take their weights from it, give the same output as without it, and leave no prefetch state behind."""
     if not dynamic_vram_on():
         pytest.skip("Dynamic VRAM (comfy-aimdo's ModelPatcherDynamic) needs a CUDA device: run with "
                     "LOWBIT_TEST_DEVICE=cuda LOWBIT_TEST_DYNAMIC_VRAM=1 (tests/gpu/README.md)")
@@ -456,23 +475,33 @@ def test_block_prefetch_of_newer_comfyui_streams_quantized_layers(monkeypatch):
     resident_bytes = vbar.loaded_size()
     loaded = next(m for m in comfy.model_management.current_loaded_models if m.model is with_lora)
     assert loaded.model_unload(memory_to_free=resident_bytes // 2) is False, "the model should stay partly loaded"
-    plain_out = run_flux(with_lora, load=False)
-
     dm = with_lora.model.diffusion_model
-    casts, hooks = _prefetch_blocks(monkeypatch, dm, with_lora.load_device)
+    names = {module: name for name, module in dm.named_modules()}
+
+    def cast_names(casts):
+        return {names[m] for modules in casts for m in modules if m in names}
+
+    recorder = _CastRecorder(monkeypatch)
+    plain_out = run_flux(with_lora, load=False)
+    assert layers <= cast_names(recorder.layer_casts), "without the queue every layer casts itself"
+    recorder.layer_casts.clear()
+
+    hooks = _prefetch_blocks(recorder, dm, with_lora.load_device)
     try:
         prefetched_out = run_flux(with_lora, load=False)
+        left = [name for name, m in dm.named_modules() if hasattr(m, "_prefetch")]
     finally:
         for hook in hooks:
             hook.remove()
         prefetch.cleanup_prefetch_queues()
 
-    names = {module: name for name, module in dm.named_modules()}
-    cast_layers = {names[m] for modules in casts for m in modules}
-    assert layers <= cast_layers, f"layers the prefetch never cast: {sorted(layers - cast_layers)[:5]}"
+    assert layers <= cast_names(recorder.prefetch_casts), \
+        f"layers the prefetch never cast: {sorted(layers - cast_names(recorder.prefetch_casts))[:5]}"
+    recast = layers & cast_names(recorder.layer_casts)
+    assert not recast, f"layers cast again despite the prefetch: {sorted(recast)[:5]}"
+    assert not left, f"prefetch state left behind after the last block: {left[:5]}"
     streamed = [name for name in layers if dm.get_submodule(name)._v_signature is None]
     assert streamed, "want a partly loaded model: every quantized layer stayed resident"
-    assert not [name for name, m in dm.named_modules() if hasattr(m, "_prefetch")], "prefetch state left behind"
     for name, fmt, _ in quantized_layers(with_lora):
         assert fmt == "int8_convrot", name
     # the same weights reach the kernels with or without the prefetch: the outputs agree to rounding
