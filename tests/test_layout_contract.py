@@ -319,7 +319,8 @@ SEEDS = 64
 
 
 def _seeded(name: str) -> bool:
-    return name != "w4a8" or kitchen_version() >= Version("0.2.28")  # kitchen added w4a8 stochastic rounding in 0.2.28
+    # comfy-kitchen rounds w4a8 stochastically from 0.2.28 on
+    return name != "w4a8" or kitchen_version() >= Version("0.2.28")
 
 
 def _clipped_sq_error(weight: torch.Tensor, qt: QuantizedTensor) -> float:
