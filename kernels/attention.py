@@ -10,7 +10,7 @@ Flux step that it need not be.
 inputs, outside ``torch.compile`` tracing and CUDA-graph capture) and keeps the fastest. The
 candidates are the caller's own attention (``"comfy"``: whatever ComfyUI picked), each SDPA
 backend, and, only when :attr:`AttentionConfig.allow_lossy` is set, comfy-kitchen's INT8 attention
-(kitchen >= 0.2.40 on a GPU it supports; 1.6-3.1 % error and slower than cuDNN on the H200).
+(kitchen >= 0.2.30 on a GPU it supports; 1.6-3.1 % error and slower than cuDNN on the H200).
 A candidate that raises (a backend that cannot run these inputs) is recorded and skipped.
 
 Nothing here imports ComfyUI; ``nodes/attention.py`` adapts ComfyUI's attention call to it.
@@ -95,7 +95,7 @@ def sdpa(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
     if name == "kitchen_int8":
         fn = kitchen_int8_attention()
         if fn is None:
-            raise RuntimeError("comfy-kitchen INT8 attention is not available (needs comfy-kitchen >= 0.2.40 "
+            raise RuntimeError("comfy-kitchen INT8 attention is not available (needs comfy-kitchen >= 0.2.30 "
                                "and a GPU it supports)")
         if extra.get("enable_gqa"):
             raise RuntimeError("kitchen_int8 takes grouped K/V heads natively; enable_gqa is not passed")

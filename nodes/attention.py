@@ -101,7 +101,7 @@ class LowBitAttentionBackend(io.ComfyNode):
                                tooltip="auto: time the candidates on the first call of each shape and keep the "
                                "fastest. comfy: remove a LowBit override (ComfyUI's attention). cudnn / flash / "
                                "efficient / math: that PyTorch backend (ComfyUI's attention where it cannot run). "
-                               "kitchen_int8: comfy-kitchen's INT8 attention (>= 0.2.40; not exact)."),
+                               "kitchen_int8: comfy-kitchen's INT8 attention (>= 0.2.30; not exact)."),
                 io.Boolean.Input("allow_lossy", default=False, optional=True,
                                  tooltip="auto only: also consider comfy-kitchen's INT8 attention, which is not "
                                  "exact (about 2-3 % error)."),

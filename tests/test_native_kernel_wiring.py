@@ -15,17 +15,21 @@ For each of ``int8``, ``int8_convrot``, ``w4a4``, ``w4a8`` and ``fp8`` (comfy-ki
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
-from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout
+from comfy_kitchen.tensor import AsymW4A8Int8Layout, QuantizedTensor, TensorCoreFP8Layout
 
 from layout_helpers import sqnr_db
 from lowbit.kernels import dispatch
 from lowbit.kernels.backend import Backend, force_backend
+from lowbit.lora.delta import DenseDelta
+from lowbit.lora.stochastic import merge_stochastic
 from lowbit.quant.compiled_linear import quantized_linear
 from lowbit.quant.formats import get_format
 from lowbit.quant.layouts import base, fp8_tensorwise, int8_tensorwise, w4a4_convrot, w4a8_asym
@@ -270,7 +274,8 @@ def test_out_of_memory_is_not_swallowed():
 
 
 def test_w4a8_rows_our_kernel_cannot_decode_are_named():
-    """comfy-kitchen 0.2.40 stores 6-bit rows (3K/4 bytes) and MMA-packed weights in the same layout."""
+    """comfy-kitchen stores 6-bit rows (3K/4 bytes, since 0.2.36) and MMA-packed weights (since 0.2.38) in the
+    same layout."""
     _, qweight, x, _ = _problem("w4a8")
     six_bit = QuantizedTensor(torch.zeros(N, 3 * K // 4, dtype=torch.int8), "AsymW4A8Int8Layout", qweight._params)
     assert "4-bit" in get_format("w4a8")._kernel_problem(x, six_bit)
@@ -288,6 +293,45 @@ def test_w4a8_file_with_6_bit_rows_loads_with_its_true_width():
     loaded = codec.from_state_dict("blocks.0", local, codec.comfy_quant(qweight))
     assert loaded._params.orig_shape == (N, K)
     assert "4-bit" in codec._kernel_problem(x, loaded)  # kitchen's path runs it, not our 4-bit kernel
+
+
+#: comfy-kitchen >= 0.2.36 quantizes W4A8 weights at 6 bits too, into the same ``asym_w4a8_int8`` format
+KITCHEN_6_BIT = "bits" in inspect.signature(AsymW4A8Int8Layout.quantize).parameters
+
+
+@pytest.mark.skipif(not KITCHEN_6_BIT, reason="this comfy-kitchen (< 0.2.36) has no 6-bit W4A8 weights")
+def test_w4a8_layer_kitchen_quantized_at_6_bits_loads_runs_and_merges_at_6_bits():
+    """A layer comfy-kitchen quantized with ``bits=6`` (a newer ComfyUI's files carry such layers under the
+    same ``asym_w4a8_int8`` format): written and read back by LowBit, it keeps its width, runs kitchen's
+    product (LowBit's kernel decodes 4-bit codes only) with kitchen's result, is more accurate than the 4-bit
+    layer of the same weight, and a stochastically merged LoRA leaves it 6-bit with the whole change kept."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(N, K, generator=gen)
+    qdata, params = AsymW4A8Int8Layout.quantize(w, group_size=16, convrot_groupsize=256, bits=6)
+    assert qdata.shape == (N, 3 * K // 4)
+    six = QuantizedTensor(qdata, "AsymW4A8Int8Layout", dataclasses.replace(params, orig_dtype=torch.bfloat16))
+    codec = get_format("w4a8")
+    tensors = layer_tensors(codec, "blocks.0", six)
+    local = {key.split("blocks.0.", 1)[1]: value for key, value in tensors.items() if key != "blocks.0.comfy_quant"}
+    loaded = codec.from_state_dict("blocks.0", local, codec.comfy_quant(six))
+    assert loaded._params.orig_shape == (N, K) and torch.equal(loaded._qdata, qdata)
+    assert AsymW4A8Int8Layout.bits(loaded) == 6
+
+    x = torch.randn(8, K, generator=gen).to(torch.bfloat16)
+    out = codec.linear(x, loaded)
+    assert torch.equal(out, F.linear(x, six))  # kitchen's handler, bit for bit
+    with force_backend(Backend.TRITON):  # even with our kernels forced: they would read the rows as 4-bit codes
+        assert torch.equal(codec.linear(x, loaded), out)
+    exact = x.float() @ w.T
+    four = codec.linear(x, codec.quantize(w))
+    assert sqnr_db(out.float(), exact) > sqnr_db(four.float(), exact) + 6.0
+
+    delta = DenseDelta(torch.randn(N, K, generator=gen) * 0.01)
+    merged = merge_stochastic(codec, loaded, [delta], seed=5, layer="blocks.0")
+    assert merged._qdata.shape == (N, 3 * K // 4) and AsymW4A8Int8Layout.bits(merged) == 6
+    change = merged.dequantize().float() - loaded.dequantize().float()
+    kept = float((change * delta.diff).sum() / delta.diff.pow(2).sum())  # least-squares share of the delta
+    assert abs(kept - 1.0) < 0.1, kept  # measured 0.96-1.01 over seeds; rounded to nearest: 0.66-0.69
 
 
 # ---- w4a4 activation bits follow kitchen ------------------------------------------------------------

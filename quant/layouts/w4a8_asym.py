@@ -11,8 +11,8 @@ Run time: :meth:`W4A8AsymCodec.linear` runs LowBit's ``kernels.w4_linear.w4a8_li
 layout's tensors (codes, group scales and codebook decoded in registers by our Triton kernel; an
 asymmetric weight with a ``correction`` runs kitchen's or the dequantized product). On the CPU the
 dispatcher tries kitchen's ``w4a8_int8_linear`` first, so CPU results are kitchen's bit for bit.
-Weights the kernels do not take run kitchen's handler (``F.linear``): comfy-kitchen 0.2.40's
-MMA-packed and 6-bit rows, a transposed weight.
+Weights the kernels do not take run kitchen's handler (``F.linear``): comfy-kitchen's 6-bit rows
+(since 0.2.36) and MMA-packed weights (since 0.2.38), a transposed weight.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ class W4A8AsymCodec(KitchenKernelCodec):
         return AsymW4A8Int8Layout.quantize(weight, **kwargs)
 
     def _weight_problem(self, x, qdata, p) -> str | None:
-        if getattr(p, "mma_packed", False):  # comfy-kitchen >= 0.2.40 only
+        if getattr(p, "mma_packed", False):  # comfy-kitchen >= 0.2.38 only
             return "the weight is packed for kitchen's small-M MMA kernel"
         if qdata.dtype not in (torch.int8, torch.uint8) or 2 * qdata.shape[1] != x.shape[-1]:
-            # also kitchen 0.2.40's 6-bit rows (3K/4 bytes), which our kernel does not decode
+            # also kitchen's 6-bit rows (3K/4 bytes, kitchen >= 0.2.36), which our kernel does not decode
             return f"packed weight {qdata.dtype} {tuple(qdata.shape)} is not 4-bit codes for {x.shape[-1]} features"
         if p.s_channel is None or p.s_channel.numel() != qdata.shape[0]:
             return "the weight has no per-channel scale for every output row"
@@ -99,7 +99,7 @@ class W4A8AsymCodec(KitchenKernelCodec):
         n, row_bytes = weight.shape
         group = int(conf_value(conf, "group_size", GROUP))
         # K from the group scales ([N, K / group_size]), not the row bytes: 4-bit rows hold K / 2
-        # bytes, comfy-kitchen >= 0.2.40's 6-bit rows 3K / 4
+        # bytes, comfy-kitchen >= 0.2.36's 6-bit rows 3K / 4
         k = s_rel.shape[1] * group if s_rel.dim() == 2 and s_rel.shape[1] > 0 else 2 * row_bytes
         try:
             params = AsymW4A8Int8Layout.Params(
