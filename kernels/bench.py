@@ -41,6 +41,9 @@ SHAPE_SETS = {
     "wan": [(5120, 5120), (13824, 5120), (5120, 13824)],
     "qwen": [(3072, 3072), (12288, 3072), (3072, 12288)],
     "tiny": [(256, 512), (384, 768)],
+    # the per-block modulation linears of Flux and Qwen-Image (6 x 3072 and 3 x 3072 outputs): one row a
+    # call at batch 1, so they want --m 1,2
+    "mod": [(18432, 3072), (9216, 3072)],
 }
 FORMATS = ("int8", "int8_convrot", "int8_quarot", "int8_hadanorm", "fp8_rowwise", "w4a4", "w4a4_a8", "w4a8")
 DISPATCH_FORMAT = {"int8": "int8", "int8_convrot": "int8+regular256", "int8_quarot": "int8+sylvester128",

@@ -148,9 +148,27 @@ _W4_CODEBOOK_SPLIT_K = (C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, split
                         C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, split_k=4))
 
 
+# Few rows (M <= 32): the per-block modulation linears of Flux, Qwen-Image and the like see one row a call at
+# batch 1, and a 64- or 128-row tile wastes most of its MMA and, at N = 18432, leaves a second, nearly empty
+# wave of programs. 16-row tiles (split-K for the INT8 products). Session 20, H200, Triton 3.6
+# (tests/gpu/sweep_small_m_gemm.py --shapes mod, GEMM alone, CUDA-graph time, each against the best of the
+# configs above), M = 1, N x K = 18432 x 3072 and 9216 x 3072: INT8 16.8 / 8.7 us against 21.3 / 11.0 (bf16
+# 32.0 / 19.5); signed-nibble W4 11.4 / 8.2 against 29.1 / 22.2; codebook W4 24.1 / 15.0 against 50.5 / 32.7.
+# At M = 16 the same picture. Every output bit for bit the one-program config's.
+_FEW_ROWS_MAX_M = 32
+_W8A8_FEW_ROWS = (C(16, 64, 128, 8, 4, 4, tma=True), C(16, 128, 256, 8, 4, 3), C(16, 32, 256, 8, 4, 3))
+_W8A8_FEW_ROWS_SPLIT_K = (C(16, 64, 128, 8, 4, 4, split_k=2),)
+_W4_FEW_ROWS = (C(16, 64, 128, 8, 4, 4, swap_ab=True), C(16, 64, 128, 8, 4, 4, split_k=2),
+                C(16, 64, 256, 8, 4, 3, swap_ab=True), C(16, 32, 256, 8, 4, 3))
+_W4_CODEBOOK_FEW_ROWS = (C(16, 64, 128, 8, 4, 4, split_k=2), C(16, 64, 128, 8, 4, 4, split_k=4),
+                         C(16, 32, 256, 8, 4, 3), C(16, 64, 256, 8, 4, 3, split_k=2))
+
+
 def w8a8_candidates(cap: tuple[int, int], m: int, fp8: bool = False) -> list[GemmConfig]:
     """Configs worth measuring for an INT8 (``fp8`` False) or FP8 GEMM with ``m`` rows on capability ``cap``."""
     pool = (_W8A8_SMALL + (() if fp8 or m > _SPLIT_K_MAX_M else _W8A8_SPLIT_K)) if m <= 1024 else _W8A8_LARGE
+    if m <= _FEW_ROWS_MAX_M:
+        pool = _W8A8_FEW_ROWS + (() if fp8 else _W8A8_FEW_ROWS_SPLIT_K) + pool
     return [c for c in pool if c.fits(cap) and (not c.tma or cap >= (9, 0))] or [C(64, 64, 64, 8, 4, 2)]
 
 
@@ -170,6 +188,8 @@ def w4_candidates(cap: tuple[int, int], m: int, codebook: bool = False) -> list[
         pool = _W4_CODEBOOK[:1] + pool + (_W4_CODEBOOK[1:] if m <= 1024 else ())
     if m <= _SPLIT_K_MAX_M:
         pool = pool + (_W4_CODEBOOK_SPLIT_K if codebook else _W4_SPLIT_K)
+    if m <= _FEW_ROWS_MAX_M:
+        pool = (_W4_CODEBOOK_FEW_ROWS if codebook else _W4_FEW_ROWS) + pool
     return ([c for c in pool if c.fits(cap, 1.0, 0.5) and (not (c.tma or c.tma_store) or cap >= (9, 0))]
             or [C(64, 64, 64, 8, 4, 2)])
 

@@ -191,6 +191,36 @@ def test_split_k_refuses_fp8_and_is_offered_for_int8_at_small_m_only():
         GemmConfig(64, 64, 64, tma=True, persistent=True, split_k=2)
 
 
+#: the 16-row tiles offered for few rows (M <= 32: modulation linears at batch 1), on Hopper and on Ada
+FEW_ROWS = sorted({c for cap in ((9, 0), (8, 9)) for c in w8a8_candidates(cap, 1) if c.block_m == 16},
+                  key=lambda c: c.name)
+
+
+@pytest.mark.parametrize("config", FEW_ROWS, ids=lambda c: c.name)
+@pytest.mark.parametrize("m", [1, 5])
+def test_few_row_configs_accumulate_exactly(config, m):
+    """The configs the dispatcher measures for one or a few rows: rows and columns ragged against the tile,
+    K spanning several of its K steps (so a split-K config has two full shares)."""
+    n, k = 200, 1024
+    a, b = randint8(m, k, seed=m + 40), randint8(n, k, seed=41)
+    poison = torch.full((m, n), float("nan"))
+    out = _mm(a, b, torch.ones(m, 1), torch.ones(n), None, None, None, torch.float32, config, out=poison)
+    assert torch.equal(out, int8_accumulate_reference(a, b).float())
+
+
+def test_few_row_configs_are_offered_for_few_rows_only():
+    for cap in ((9, 0), (8, 9)):
+        for m in (1, 16, 32):
+            assert any(c.block_m == 16 for c in w8a8_candidates(cap, m))
+            assert any(c.block_m == 16 for c in w4_candidates(cap, m))
+            assert any(c.block_m == 16 for c in w4_candidates(cap, m, codebook=True))
+        for m in (33, 256, 4096):
+            assert not any(c.block_m == 16 for c in w8a8_candidates(cap, m) + w4_candidates(cap, m)
+                           + w4_candidates(cap, m, codebook=True))
+    assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 1, fp8=True))  # FP8 sums do not split
+    assert any(c.block_m == 16 for c in w8a8_candidates((9, 0), 1, fp8=True))
+
+
 def test_config_names_round_trip_and_reject_garbage():
     for config in CONFIGS + SPLIT_K + [GemmConfig(64, 128, 128, 8, 4, 4, swap_ab=True)]:
         assert GemmConfig.from_name(config.name) == config

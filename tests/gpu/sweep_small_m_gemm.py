@@ -7,6 +7,9 @@ bit for bit with a one-program config's, five launches in a row (a split-K share
 sum, or a lock left counting, shows up as a mismatch). One JSON report::
 
     python tests/gpu/sweep_small_m_gemm.py --m 256,512 --out sweep.json
+
+``--shapes mod`` takes the per-block modulation linears of Flux and Qwen-Image instead (one row a call at
+batch 1: ``--m 1,2``), and ``--extra`` adds configs the dispatcher does not have yet, by name, to every kind.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-ISSUE_SHAPES = ((3072, 3072), (9216, 3072), (12288, 3072), (3072, 12288), (15360, 3072))
+SHAPES = {"issue": ((3072, 3072), (9216, 3072), (12288, 3072), (3072, 12288), (15360, 3072)),
+          "mod": ((18432, 3072), (9216, 3072))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", default="256", help="comma-separated token counts")
     p.add_argument("--rep-ms", type=int, default=40)
     p.add_argument("--kinds", default="int8,w4,w4cb", help="comma-separated subset of int8, w4, w4cb")
+    p.add_argument("--shapes", default="issue", choices=sorted(SHAPES))
+    p.add_argument("--extra", default="", help="comma-separated config names measured besides the candidates")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -45,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     cap = capability(device)
     kinds = args.kinds.split(",")
+    extra = [GemmConfig.from_name(name) for name in args.extra.split(",") if name]
     rows, failures = [], []
     start = time.perf_counter()
 
@@ -54,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from comfy_kitchen.backends.eager import w4a8_int8 as ck_w4a8
     table = w4a8_level_table(torch.tensor(ck_w4a8._FIXED_LUT), device)
     for m in (int(v) for v in args.m.split(",")):
-        for n, k in ISSUE_SHAPES:
+        for n, k in SHAPES[args.shapes]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5
             bias = torch.randn(n, device=device, dtype=torch.bfloat16)
@@ -68,13 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             jobs = []
             if "int8" in kinds:
                 jobs += [("int8", c, lambda c=c: w8a8_mm_triton(a, b8, sa, sb, bias, None, None, torch.bfloat16, c))
-                         for c in w8a8_candidates(cap, m)]
+                         for c in list(w8a8_candidates(cap, m)) + extra]
             for kind, codebook in (("w4", False), ("w4cb", True)):
                 if kind in kinds:
-                    extra = (s_rel, table) if codebook else (None, None)
-                    jobs += [(kind, c, lambda c=c, extra=extra: w4a8_mm_triton(a, packed, sa, sb, bias, *extra, 16,
-                                                                               torch.bfloat16, c))
-                             for c in w4_candidates(cap, m, codebook=codebook)]
+                    operands = (s_rel, table) if codebook else (None, None)
+                    jobs += [(kind, c, lambda c=c, operands=operands: w4a8_mm_triton(
+                                a, packed, sa, sb, bias, *operands, 16, torch.bfloat16, c))
+                             for c in list(w4_candidates(cap, m, codebook=codebook)) + extra]
             reference = {}
             for kind, config, fn in jobs:
                 name = f"{kind} {config.name}"
