@@ -72,7 +72,10 @@ log = logging.getLogger(__name__)
 
 # 2 (session 12): candidates are timed through their steady-state plans, and split-K configs are offered at
 # M <= 512; decisions made the old way are measured again once.
-CACHE_VERSION = 2
+# 3 (session 20): 16-row tiles are offered at M <= 32; a version-2 file keeps its decisions for more rows, and
+# those for few rows (the M buckets of FEW_ROWS_REMEASURED) are measured again once.
+CACHE_VERSION = 3
+FEW_ROWS_REMEASURED = (16, 32)
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _RESOURCE_ERRORS = ("OutOfResources", "out of resource")  # the configuration can never run on this GPU
 
@@ -164,7 +167,11 @@ class Dispatcher:
         except (OSError, ValueError) as err:
             log.warning("LowBit kernel dispatch cache %s is unreadable (%s); measuring again", path, err)
             return
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        if isinstance(data, dict) and data.get("version") == 2:
+            data = _without_few_rows(data)
+            log.info("LowBit kernel dispatch cache %s is from before the 16-row tiles: its choices for M <= %d "
+                     "are measured again", path, max(FEW_ROWS_REMEASURED))
+        elif not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
             log.info("LowBit kernel dispatch cache %s is from another version; measuring again", path)
             return
         self.decisions.update({str(k): str(v) for k, v in data.get("decisions", {}).items()})
@@ -401,6 +408,17 @@ def fast_plan(fast_key: tuple):
         return None
     dispatcher = _current[-1] if _current else _default
     return dispatcher.fast_plans.get(fast_key)
+
+
+def _without_few_rows(data: dict) -> dict:
+    """A version-2 cache's entries without the keys of few rows (``FEW_ROWS_REMEASURED`` M buckets)."""
+    drop = tuple(f"|m{m}|" for m in FEW_ROWS_REMEASURED)
+    kept = dict(data)
+    for field_name in ("decisions", "timings_us", "gpu_timings_us", "host_timings_us"):
+        entries = data.get(field_name, {})
+        if isinstance(entries, dict):
+            kept[field_name] = {k: v for k, v in entries.items() if not any(m in str(k) for m in drop)}
+    return kept
 
 
 def run(key_fmt: str, x2d: torch.Tensor, n: int, names: Callable[[], list[str]],

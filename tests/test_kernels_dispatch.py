@@ -6,6 +6,7 @@ from __future__ import annotations
 from kernels_helpers import randint8, randn
 
 import json
+import logging
 
 import pytest
 import torch
@@ -226,6 +227,24 @@ def test_unreadable_or_old_cache_is_ignored(tmp_path, caplog):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"version": CACHE_VERSION + 1, "decisions": {"k": "v"}}))
     assert Dispatcher(cache_path=old).decisions == {}
+
+
+def test_version_2_cache_measures_few_rows_again(tmp_path, caplog):
+    """Files written before the 16-row tiles keep their choices for more rows; those for M <= 32, made
+    without the 16-row tiles, are measured again (and the file is rewritten as the current version)."""
+    few, few32, many = ("int8|sm90|m16|n18432|k3072", "w4a8|sm90|m32|n9216|k3072", "int8|sm90|m256|n3072|k3072")
+    old = tmp_path / "v2.json"
+    old.write_text(json.dumps({"version": 2, "decisions": {few: "triton:a", few32: "triton:b", many: "triton:c"},
+                               "timings_us": {few: {"triton:a": 1.0}, many: {"triton:c": 2.0}},
+                               "gpu_timings_us": {few: {"triton:a": 1.0}}, "broken": {}}))
+    with caplog.at_level(logging.INFO, logger="lowbit.kernels.dispatch"):
+        d = Dispatcher(cache_path=old)
+    assert d.decisions == {many: "triton:c"}
+    assert d.timings_us == {many: {"triton:c": 2.0}} and d.gpu_timings_us == {}
+    assert "measured again" in caplog.text
+    d.save()
+    data = json.loads(old.read_text())
+    assert data["version"] == CACHE_VERSION == 3 and data["decisions"] == {many: "triton:c"}
 
 
 def test_linear_uses_the_cached_choice_and_recovers_from_a_stale_one():
