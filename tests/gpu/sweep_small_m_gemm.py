@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             jobs = []
             if "int8" in kinds:
                 jobs += [("int8", c, lambda c=c: w8a8_mm_triton(a, b8, sa, sb, bias, None, None, torch.bfloat16, c))
-                         for c in list(w8a8_candidates(cap, m)) + extra]
+                         for c in dict.fromkeys([*w8a8_candidates(cap, m), *extra])]
             for kind, codebook in (("w4", False), ("w4cb", True)):
                 if kind in kinds:
                     operands = (s_rel, table) if codebook else (None, None)
                     jobs += [(kind, c, lambda c=c, operands=operands: w4a8_mm_triton(
                                 a, packed, sa, sb, bias, *operands, 16, torch.bfloat16, c))
-                             for c in list(w4_candidates(cap, m, codebook=codebook)) + extra]
+                             for c in dict.fromkeys([*w4_candidates(cap, m, codebook=codebook), *extra])]
             reference = {}
             for kind, config, fn in jobs:
                 name = f"{kind} {config.name}"
