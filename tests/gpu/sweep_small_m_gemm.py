@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:
             for split in (False, True):
                 ratios = []
-                for r in rows:
+                for r in (r for r in rows if r["m"] == m):
                     times = [t for name, t in r.items() if name.startswith(kind + " ")
                              and (split or GemmConfig.from_name(name.split(" ", 1)[1]).split_k == 1)]
                     if times:
