@@ -164,9 +164,51 @@ _W4_CODEBOOK_FEW_ROWS = (C(16, 64, 128, 8, 4, 4, split_k=2), C(16, 64, 128, 8, 4
                          C(16, 32, 256, 8, 4, 3), C(16, 64, 256, 8, 4, 3, split_k=2))
 
 
+# More rows than few (17-512): narrower tiles. Session 21, H200, Triton 3.6 (tests/gpu/sweep_small_m_gemm.py, GEMM
+# alone, CUDA-graph time, geomean over the issue shapes against bf16, best of the configs above -> with these):
+# * INT8: M = 32 1.71 -> 1.80, M = 64 1.48 -> 1.79, M = 128 1.41 -> 1.52, M = 256 1.33 -> 1.38. At N = 3072 a
+#   64x128 tile leaves 24-48 programs for 132 SMs; 64x64 and 64x32 tiles fill them (3072 x 3072, M = 64:
+#   0.77x -> 1.23x).
+# * signed-nibble W4: M = 32 1.70 -> 1.87, M = 64 1.15 -> 1.42, M = 128 1.06 -> 1.13, M = 256 1.08 -> 1.23,
+#   M = 512 1.15 -> 1.25.
+# * codebook W4: M = 32 0.82 -> 1.07, M = 64 0.69 -> 0.91 (64-row tiles, so each weight tile is decoded
+#   once), M = 128 0.74 -> 0.75; M = 256 and 512 unchanged (0.72).
+# Every output bit for bit the one-program config's. The bands end where the dispatcher's M buckets do, so a
+# bucket is measured with one candidate list whichever of its M comes first.
+@dataclass(frozen=True)
+class _RowBand:
+    low: int  # rows, inclusive
+    high: int
+    w8a8: tuple = ()  # INT8 and FP8
+    int8_split: tuple = ()  # INT8 only (split-K)
+    w4: tuple = ()  # signed nibbles
+    w4_codebook: tuple = ()
+
+    def holds(self, m: int) -> bool:
+        return self.low <= m <= self.high
+
+
+_ROW_BANDS = (
+    _RowBand(17, 32, w8a8=(C(32, 64, 256, 8, 4, 3),), int8_split=(C(32, 64, 128, 8, 4, 4, split_k=2),),
+             w4_codebook=(C(32, 64, 128, 8, 4, 4, split_k=2), C(32, 64, 256, 8, 4, 3), C(32, 32, 256, 8, 4, 3))),
+    _RowBand(17, 128, w8a8=(C(64, 32, 256, 8, 4, 3),),
+             w4=(C(32, 64, 128, 8, 4, 4, swap_ab=True), C(32, 64, 256, 8, 4, 3), C(32, 64, 128, 8, 4, 4, split_k=2))),
+    _RowBand(33, 128, w4_codebook=(C(64, 32, 256, 8, 4, 3), C(64, 64, 128, 8, 4, 4, swap_ab=True))),
+    _RowBand(33, 512, w8a8=(C(64, 64, 128, 8, 4, 4, tma=True),), int8_split=(C(64, 64, 128, 8, 4, 4, split_k=2),),
+             w4=(C(64, 64, 128, 8, 4, 4, swap_ab=True), C(64, 64, 256, 8, 4, 3, swap_ab=True))),
+    _RowBand(65, 512, w4_codebook=(C(128, 32, 128, 8, 4, 4, tma=True, tma_store=True),
+                                   C(128, 32, 128, 8, 4, 4, tma=True, tma_store=True, split_k=2))),
+)
+
+
+def _banded(m: int, field_name: str) -> tuple:
+    return tuple(c for band in _ROW_BANDS if band.holds(m) for c in getattr(band, field_name))
+
+
 def w8a8_candidates(cap: tuple[int, int], m: int, fp8: bool = False) -> list[GemmConfig]:
     """Configs worth measuring for an INT8 (``fp8`` False) or FP8 GEMM with ``m`` rows on capability ``cap``."""
     pool = (_W8A8_SMALL + (() if fp8 or m > _SPLIT_K_MAX_M else _W8A8_SPLIT_K)) if m <= 1024 else _W8A8_LARGE
+    pool = pool + _banded(m, "w8a8") + (() if fp8 else _banded(m, "int8_split"))
     if m <= _FEW_ROWS_MAX_M:
         pool = _W8A8_FEW_ROWS + (() if fp8 else _W8A8_FEW_ROWS_SPLIT_K) + pool
     return [c for c in pool if c.fits(cap) and (not c.tma or cap >= (9, 0))] or [C(64, 64, 64, 8, 4, 2)]
@@ -188,6 +230,7 @@ def w4_candidates(cap: tuple[int, int], m: int, codebook: bool = False) -> list[
         pool = _W4_CODEBOOK[:1] + pool + (_W4_CODEBOOK[1:] if m <= 1024 else ())
     if m <= _SPLIT_K_MAX_M:
         pool = pool + (_W4_CODEBOOK_SPLIT_K if codebook else _W4_SPLIT_K)
+    pool = pool + _banded(m, "w4_codebook" if codebook else "w4")
     if m <= _FEW_ROWS_MAX_M:
         pool = (_W4_CODEBOOK_FEW_ROWS if codebook else _W4_FEW_ROWS) + pool
     return ([c for c in pool if c.fits(cap, 1.0, 0.5) and (not (c.tma or c.tma_store) or cap >= (9, 0))]

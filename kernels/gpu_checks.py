@@ -350,8 +350,9 @@ def verify(device: torch.device) -> list[str]:
         check(f"int8 gemm exact m={m} n={n} k={k} {cfg.name}",
               torch.isfinite(out).all().item() and torch.equal(out, int8_accumulate_reference(a, b).float()))
     # every benchmark config (bf16 out, bias: the variants the benchmark compiles) against the reference;
-    # M = 5: the 16-row tiles offered for few rows
-    for m, n, k in [(5, 3072, 3072), (1000, 3072, 3072), (4096, 3072, 3072)]:
+    # M = 5: the 16-row tiles offered for few rows; M = 20, 100 and 300: the tiles of the row bands
+    for m, n, k in [(5, 3072, 3072), (20, 3072, 3072), (100, 3072, 3072), (300, 3072, 3072), (1000, 3072, 3072),
+                    (4096, 3072, 3072)]:
         a = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
         b = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
         sa, sb = torch.rand(m, 1, device=device) * 1e-3, torch.rand(n, device=device) * 1e-3
@@ -368,7 +369,7 @@ def verify(device: torch.device) -> list[str]:
                 rel = ((out.float() - ref_f.float()).norm() / ref_f.float().norm()).item()
                 check(f"fp8 gemm m={m} n={n} k={k} {cfg.name}", rel < 1e-2, f"rel err {rel:.1e}")
 
-    for m, n, k in [(5, 384, 3072), (300, 384, 3072), (4096, 3072, 3072)]:
+    for m, n, k in [(5, 384, 3072), (20, 384, 3072), (100, 384, 3072), (300, 384, 3072), (4096, 3072, 3072)]:
         a = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
         packed = torch.randint(-128, 128, (n, k // 2), device=device, dtype=torch.int8)
         s_rel = (torch.rand(n, k // 16, device=device) * 60 + 4).to(FP8)

@@ -41,3 +41,17 @@ def randint8(*shape: int, seed: int, low: int = -127, high: int = 128) -> torch.
 def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double()
     return float(10 * torch.log10(ref.pow(2).sum() / (y.double() - ref).pow(2).sum()))
+
+
+def row_band_jobs(field_name: str) -> list:
+    """(config, M) for every config of the GEMM row bands (``gemm_config._ROW_BANDS``) in ``field_name``
+    (``w8a8``, ``int8_split``, ``w4``, ``w4_codebook``): an M of the config's band, ragged against its tile,
+    with two row tiles where the band allows."""
+    from lowbit.kernels.gemm_config import _ROW_BANDS
+
+    jobs = {}
+    for band in _ROW_BANDS:
+        for config in getattr(band, field_name):
+            two_tiles = config.block_m + config.block_m // 2 + 3
+            jobs.setdefault(config, two_tiles if two_tiles <= band.high else band.low + 3)
+    return sorted(jobs.items(), key=lambda job: job[0].name)

@@ -8,7 +8,7 @@ reference within fp32 rounding.
 
 from __future__ import annotations
 
-from kernels_helpers import needs_triton_interpreter, randint8, randn
+from kernels_helpers import needs_triton_interpreter, randint8, randn, row_band_jobs
 
 import pytest
 import torch
@@ -219,6 +219,36 @@ def test_few_row_configs_are_offered_for_few_rows_only():
                            + w4_candidates(cap, m, codebook=True))
     assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 1, fp8=True))  # FP8 sums do not split
     assert any(c.block_m == 16 for c in w8a8_candidates((9, 0), 1, fp8=True))
+
+
+@pytest.mark.parametrize("config, m", row_band_jobs("w8a8") + row_band_jobs("int8_split"), ids=lambda v: getattr(v, "name", v))
+def test_row_band_configs_accumulate_exactly(config, m):
+    """The narrower tiles the dispatcher measures for 17 <= M <= 512, at an M of their band: rows and columns
+    ragged against the tile, K over several K steps (split-K: two full shares)."""
+    n, k = 200, 1024
+    a, b = randint8(m, k, seed=m + 50), randint8(n, k, seed=51)
+    poison = torch.full((m, n), float("nan"))
+    out = _mm(a, b, torch.ones(m, 1), torch.ones(n), None, None, None, torch.float32, config, out=poison)
+    assert torch.equal(out, int8_accumulate_reference(a, b).float())
+
+
+def test_row_bands_are_offered_in_their_bands_and_end_at_dispatch_buckets():
+    from lowbit.kernels.dispatch import M_BUCKETS, m_bucket
+    from lowbit.kernels.gemm_config import _ROW_BANDS
+
+    for band in _ROW_BANDS:
+        # a dispatcher bucket never straddles a band edge, so its candidates do not depend on which M came first
+        assert m_bucket(band.high) == band.high and (band.low - 1 in M_BUCKETS)
+        for m in (band.low, band.high):
+            assert set(band.w8a8 + band.int8_split) <= set(w8a8_candidates((9, 0), m))
+            assert set(band.w8a8) <= set(w8a8_candidates((9, 0), m, fp8=True))
+            assert not set(band.int8_split) & set(w8a8_candidates((9, 0), m, fp8=True))  # FP8 sums do not split
+            assert set(band.w4) <= set(w4_candidates((9, 0), m))
+            assert set(band.w4_codebook) <= set(w4_candidates((9, 0), m, codebook=True))
+    banded = {c for band in _ROW_BANDS for c in band.w8a8 + band.int8_split + band.w4 + band.w4_codebook}
+    for m in (1, 16, 1024, 4096):  # outside every band: none of them
+        offered = w8a8_candidates((9, 0), m) + w4_candidates((9, 0), m) + w4_candidates((9, 0), m, codebook=True)
+        assert not banded & set(offered), m
 
 
 def test_config_names_round_trip_and_reject_garbage():

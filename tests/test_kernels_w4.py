@@ -3,7 +3,8 @@ GEMM is exact against the int32 reference, and the linears agree with comfy-kitc
 
 from __future__ import annotations
 
-from kernels_helpers import needs_triton_interpreter, randint8, randn, sqnr_db, triton_interpreter_available
+from kernels_helpers import (needs_triton_interpreter, randint8, randn, row_band_jobs, sqnr_db,
+                             triton_interpreter_available)
 
 import pytest
 import torch
@@ -87,6 +88,25 @@ def test_w4_few_row_configs_are_exact(codebook, m):
         out = w4a8_mm_triton(permute_columns(a, config.block_k), packed, torch.ones(m, 1), torch.ones(n), None,
                              *args, 16, torch.float32, config, out=poison)
         assert torch.equal(out, int8_accumulate_reference(a, weight).float()), config.name
+
+
+@needs_triton_interpreter()
+@pytest.mark.parametrize("codebook, config, m", [(False, c, m) for c, m in row_band_jobs("w4")]
+                         + [(True, c, m) for c, m in row_band_jobs("w4_codebook")],
+                         ids=lambda v: getattr(v, "name", v))
+def test_w4_row_band_configs_are_exact(codebook, config, m):
+    """The narrower tiles the dispatcher measures for 17 <= M <= 512, at an M of their band: ragged rows and
+    columns, K over several K steps (split-K: two full shares)."""
+    from lowbit.kernels.triton_w4_gemm import w4a8_mm_triton
+
+    n, k = 72, 1024
+    a, packed = randint8(m, k, seed=24 + m), _packed(n, k, seed=25)
+    s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(26)) * 60 + 4).to(FP8)
+    args = (s_rel, w4a8_level_table(CODEBOOK)) if codebook else (None, None)
+    poison = torch.full((m, n), float("nan"))
+    out = w4a8_mm_triton(permute_columns(a, config.block_k), packed, torch.ones(m, 1), torch.ones(n), None,
+                         *args, 16, torch.float32, config, out=poison)
+    assert torch.equal(out, int8_accumulate_reference(a, decode_w4_reference(packed, *args, 16)).float())
 
 
 def test_w4_op_checks_the_activation_order():
