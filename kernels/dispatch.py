@@ -72,10 +72,12 @@ log = logging.getLogger(__name__)
 
 # 2 (session 12): candidates are timed through their steady-state plans, and split-K configs are offered at
 # M <= 512; decisions made the old way are measured again once.
-# 3 (session 20): 16-row tiles are offered at M <= 32; a version-2 file keeps its decisions for more rows, and
-# those for few rows (the M buckets of FEW_ROWS_REMEASURED) are measured again once.
-CACHE_VERSION = 3
-FEW_ROWS_REMEASURED = (16, 32)
+# 3 (session 20): 16-row tiles are offered at M <= 32.
+# 4 (session 21): narrower tiles are offered at 17 <= M <= 512 (``gemm_config._ROW_BANDS``).
+# An older file keeps its decisions for the M buckets whose candidates have not changed since it was written;
+# those of the buckets in REMEASURED[its version] are measured again once.
+CACHE_VERSION = 4
+REMEASURED = {2: (16, 32, 64, 128, 256, 512), 3: (32, 64, 128, 256, 512)}
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _RESOURCE_ERRORS = ("OutOfResources", "out of resource")  # the configuration can never run on this GPU
 
@@ -167,10 +169,12 @@ class Dispatcher:
         except (OSError, ValueError) as err:
             log.warning("LowBit kernel dispatch cache %s is unreadable (%s); measuring again", path, err)
             return
-        if isinstance(data, dict) and data.get("version") == 2:
-            data = _without_few_rows(data)
-            log.info("LowBit kernel dispatch cache %s is from before the 16-row tiles: its choices for M <= %d "
-                     "are measured again", path, max(FEW_ROWS_REMEASURED))
+        if isinstance(data, dict) and data.get("version") in REMEASURED:
+            buckets = REMEASURED[data["version"]]
+            data = _without_buckets(data, buckets)
+            log.info("LowBit kernel dispatch cache %s is from an older version: its choices for %d < M <= %d "
+                     "are measured again (LowBit offers more kernels there now)", path,
+                     _bucket_floor(min(buckets)), max(buckets))
         elif not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
             log.info("LowBit kernel dispatch cache %s is from another version; measuring again", path)
             return
@@ -410,9 +414,15 @@ def fast_plan(fast_key: tuple):
     return dispatcher.fast_plans.get(fast_key)
 
 
-def _without_few_rows(data: dict) -> dict:
-    """A version-2 cache's entries without the keys of few rows (``FEW_ROWS_REMEASURED`` M buckets)."""
-    drop = tuple(f"|m{m}|" for m in FEW_ROWS_REMEASURED)
+def _bucket_floor(bucket: int) -> int:
+    """The largest M below ``bucket``'s rows (0 for the first bucket)."""
+    lower = [b for b in M_BUCKETS if b < bucket]
+    return max(lower) if lower else 0
+
+
+def _without_buckets(data: dict, buckets: tuple[int, ...]) -> dict:
+    """An older cache's entries without the keys of the M ``buckets`` (measured again)."""
+    drop = tuple(f"|m{m}|" for m in buckets)
     kept = dict(data)
     for field_name in ("decisions", "timings_us", "gpu_timings_us", "host_timings_us"):
         entries = data.get(field_name, {})

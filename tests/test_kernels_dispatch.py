@@ -229,22 +229,42 @@ def test_unreadable_or_old_cache_is_ignored(tmp_path, caplog):
     assert Dispatcher(cache_path=old).decisions == {}
 
 
-def test_version_2_cache_measures_few_rows_again(tmp_path, caplog):
-    """Files written before the 16-row tiles keep their choices for more rows; those for M <= 32, made
-    without the 16-row tiles, are measured again (and the file is rewritten as the current version)."""
-    few, few32, many = ("int8|sm90|m16|n18432|k3072", "w4a8|sm90|m32|n9216|k3072", "int8|sm90|m256|n3072|k3072")
-    old = tmp_path / "v2.json"
-    old.write_text(json.dumps({"version": 2, "decisions": {few: "triton:a", few32: "triton:b", many: "triton:c"},
-                               "timings_us": {few: {"triton:a": 1.0}, many: {"triton:c": 2.0}},
-                               "gpu_timings_us": {few: {"triton:a": 1.0}}, "broken": {}}))
+@pytest.mark.parametrize("version, dropped, kept", [
+    # before the 16-row tiles (M <= 32) and the row bands (17 <= M <= 512)
+    (2, ("int8|sm90|m16|n18432|k3072", "w4a8|sm90|m32|n9216|k3072", "int8|sm90|m256|n3072|k3072",
+         "w4a4/a4|sm90|m512|n3072|k12288"), ("int8|sm90|m1024|n3072|k3072", "fp8_rowwise|sm90|m4096|n3072|k3072")),
+    # before the row bands only: M <= 16 keeps its choices too
+    (3, ("w4a8|sm90|m32|n9216|k3072", "int8|sm90|m64|n3072|k3072", "w4a4/a4|sm90|m512|n3072|k12288"),
+     ("int8|sm90|m16|n18432|k3072", "int8|sm90|m1024|n3072|k3072")),
+])
+def test_older_cache_measures_the_changed_buckets_again(tmp_path, caplog, version, dropped, kept):
+    """An older file keeps its choices for the M buckets whose candidates did not change since; the others
+    are measured again (and the file is rewritten as the current version)."""
+    old = tmp_path / f"v{version}.json"
+    keys = dropped + kept
+    old.write_text(json.dumps({"version": version, "decisions": {k: f"triton:{i}" for i, k in enumerate(keys)},
+                               "timings_us": {k: {f"triton:{i}": 1.0 + i} for i, k in enumerate(keys)},
+                               "gpu_timings_us": {dropped[0]: {"triton:0": 1.0}}, "broken": {}}))
     with caplog.at_level(logging.INFO, logger="lowbit.kernels.dispatch"):
         d = Dispatcher(cache_path=old)
-    assert d.decisions == {many: "triton:c"}
-    assert d.timings_us == {many: {"triton:c": 2.0}} and d.gpu_timings_us == {}
+    assert d.decisions == {k: f"triton:{keys.index(k)}" for k in kept}
+    assert set(d.timings_us) == set(kept) and d.gpu_timings_us == {}
     assert "measured again" in caplog.text
+    low = 0 if version == 2 else 16
+    assert f"{low} < M <= 512" in caplog.text
     d.save()
     data = json.loads(old.read_text())
-    assert data["version"] == CACHE_VERSION == 3 and data["decisions"] == {many: "triton:c"}
+    assert data["version"] == CACHE_VERSION == 4 and set(data["decisions"]) == set(kept)
+
+
+def test_older_cache_buckets_to_measure_again_are_real_buckets():
+    """Every bucket a version bump measures again is one the dispatcher keys by; the current version has none."""
+    from lowbit.kernels.dispatch import M_BUCKETS, REMEASURED
+
+    assert CACHE_VERSION not in REMEASURED
+    for buckets in REMEASURED.values():
+        assert set(buckets) <= set(M_BUCKETS)
+        assert all(m_bucket(b) == b for b in buckets)
 
 
 def test_linear_uses_the_cached_choice_and_recovers_from_a_stale_one():
