@@ -167,8 +167,9 @@ class LowBitKernelTuner(io.ComfyNode):
                 io.String.Input("tokens", default=DEFAULT_TOKENS,
                                 tooltip="Token counts (activation rows) to tune for, comma-separated. Flux / SD3: "
                                 "(width/16)*(height/16) image tokens (1024x1024: 4096), plus the text stream's "
-                                "(Flux: 256 or 512). Choices are kept per power-of-two bucket. The per-block "
-                                "modulation linears see one row per image in the batch: add 1 to tune them too."),
+                                "(Flux: 256 or 512; Qwen-Image: the prompt's own token count). Choices are kept per "
+                                "power-of-two bucket. The per-block modulation linears see one row per image in "
+                                "the batch: add 1 to tune them too."),
                 io.Boolean.Input("remeasure", default=False,
                                  tooltip="Drop the choices on record for these shapes and measure them again (after "
                                  "a driver, Triton or LowBit update, or if the GPU was busy the first time)."),
