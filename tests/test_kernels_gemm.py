@@ -196,11 +196,12 @@ FEW_ROWS = sorted({c for cap in ((9, 0), (8, 9)) for c in w8a8_candidates(cap, 1
                   key=lambda c: c.name)
 
 
-@pytest.mark.parametrize("config", FEW_ROWS, ids=lambda c: c.name)
-@pytest.mark.parametrize("m", [1, 5])
-def test_few_row_configs_accumulate_exactly(config, m):
-    """The configs the dispatcher measures for one or a few rows: rows and columns ragged against the tile,
-    K spanning several of its K steps (so a split-K config has two full shares)."""
+@pytest.mark.parametrize("config, m", [(c, m) for c in FEW_ROWS for m in (1, 5)] + row_band_jobs("w8a8")
+                         + row_band_jobs("int8_split"), ids=lambda v: getattr(v, "name", v))
+def test_small_m_configs_accumulate_exactly(config, m):
+    """The configs the dispatcher measures for few rows (the 16-row tiles, on one and five rows) and for
+    17 <= M <= 512 (the row bands, at an M of their band): rows and columns ragged against the tile, K
+    spanning several of its K steps (so a split-K config has two full shares)."""
     n, k = 200, 1024
     a, b = randint8(m, k, seed=m + 40), randint8(n, k, seed=41)
     poison = torch.full((m, n), float("nan"))
@@ -219,17 +220,6 @@ def test_few_row_configs_are_offered_for_few_rows_only():
                            + w4_candidates(cap, m, codebook=True))
     assert not any(c.split_k > 1 for c in w8a8_candidates((9, 0), 1, fp8=True))  # FP8 sums do not split
     assert any(c.block_m == 16 for c in w8a8_candidates((9, 0), 1, fp8=True))
-
-
-@pytest.mark.parametrize("config, m", row_band_jobs("w8a8") + row_band_jobs("int8_split"), ids=lambda v: getattr(v, "name", v))
-def test_row_band_configs_accumulate_exactly(config, m):
-    """The narrower tiles the dispatcher measures for 17 <= M <= 512, at an M of their band: rows and columns
-    ragged against the tile, K over several K steps (split-K: two full shares)."""
-    n, k = 200, 1024
-    a, b = randint8(m, k, seed=m + 50), randint8(n, k, seed=51)
-    poison = torch.full((m, n), float("nan"))
-    out = _mm(a, b, torch.ones(m, 1), torch.ones(n), None, None, None, torch.float32, config, out=poison)
-    assert torch.equal(out, int8_accumulate_reference(a, b).float())
 
 
 def test_row_bands_are_offered_in_their_bands_and_end_at_dispatch_buckets():

@@ -67,41 +67,28 @@ def test_w4_gemm_is_exact(config, codebook):
     assert torch.equal(out, int8_accumulate_reference(a, weight).float())
 
 
-@pytest.mark.parametrize("codebook", [False, True])
-@pytest.mark.parametrize("m", [1, 5])
-def test_w4_few_row_configs_are_exact(codebook, m):
-    """The 16-row tiles the dispatcher measures for few rows (M <= 32), each on one or five rows: ragged
-    rows and columns, K spanning several K steps (two full shares for the split-K ones)."""
+def _few_row_jobs(codebook: bool) -> list:
     from lowbit.kernels.gemm_config import w4_candidates
+
+    configs = sorted({c for cap in ((9, 0), (8, 9)) for c in w4_candidates(cap, 1, codebook=codebook)
+                      if c.block_m == 16}, key=lambda c: c.name)
+    return [(codebook, c, m) for c in configs for m in (1, 5)]
+
+
+@needs_triton_interpreter()
+@pytest.mark.parametrize("codebook, config, m", _few_row_jobs(False) + _few_row_jobs(True)
+                         + [(False, c, m) for c, m in row_band_jobs("w4")]
+                         + [(True, c, m) for c, m in row_band_jobs("w4_codebook")],
+                         ids=lambda v: getattr(v, "name", v))
+def test_w4_small_m_configs_are_exact(codebook, config, m):
+    """The tiles the dispatcher measures for few rows (the 16-row ones, on one and five rows) and for
+    17 <= M <= 512 (the row bands, at an M of their band): ragged rows and columns, K spanning several K
+    steps (two full shares for the split-K ones)."""
     from lowbit.kernels.triton_w4_gemm import w4a8_mm_triton
 
     n, k = 72, 1024
     a, packed = randint8(m, k, seed=14 + m), _packed(n, k, seed=15)
     s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(16)) * 60 + 4).to(FP8)
-    args = (s_rel, w4a8_level_table(CODEBOOK)) if codebook else (None, None)
-    weight = decode_w4_reference(packed, *args, 16)
-    configs = sorted({c for cap in ((9, 0), (8, 9)) for c in w4_candidates(cap, m, codebook=codebook)
-                      if c.block_m == 16}, key=lambda c: c.name)
-    assert configs
-    for config in configs:
-        poison = torch.full((m, n), float("nan"))
-        out = w4a8_mm_triton(permute_columns(a, config.block_k), packed, torch.ones(m, 1), torch.ones(n), None,
-                             *args, 16, torch.float32, config, out=poison)
-        assert torch.equal(out, int8_accumulate_reference(a, weight).float()), config.name
-
-
-@needs_triton_interpreter()
-@pytest.mark.parametrize("codebook, config, m", [(False, c, m) for c, m in row_band_jobs("w4")]
-                         + [(True, c, m) for c, m in row_band_jobs("w4_codebook")],
-                         ids=lambda v: getattr(v, "name", v))
-def test_w4_row_band_configs_are_exact(codebook, config, m):
-    """The narrower tiles the dispatcher measures for 17 <= M <= 512, at an M of their band: ragged rows and
-    columns, K over several K steps (split-K: two full shares)."""
-    from lowbit.kernels.triton_w4_gemm import w4a8_mm_triton
-
-    n, k = 72, 1024
-    a, packed = randint8(m, k, seed=24 + m), _packed(n, k, seed=25)
-    s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(26)) * 60 + 4).to(FP8)
     args = (s_rel, w4a8_level_table(CODEBOOK)) if codebook else (None, None)
     poison = torch.full((m, n), float("nan"))
     out = w4a8_mm_triton(permute_columns(a, config.block_k), packed, torch.ones(m, 1), torch.ones(n), None,
