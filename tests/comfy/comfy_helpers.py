@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowbit.kernels import dispatch
+
 
 def comfyui_path() -> Path | None:
     candidate = Path(os.environ.get("COMFYUI_PATH") or Path("~/ComfyUI").expanduser())
@@ -149,6 +151,27 @@ def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     reference, test = reference.double(), test.double()
     noise = (reference - test).pow(2).mean()
     return float("inf") if noise == 0 else float(10 * torch.log10(reference.pow(2).mean() / noise))
+
+
+def random_weights(build, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """bf16 random weights for the model ``build()`` makes on the meta device with ComfyUI's
+    ``disable_weight_init`` operations: matrices N(0, 1 / fan-in), vectors N(0, 0.02^2), drawn on ``device``
+    (seeded), returned on the CPU. Dynamic VRAM is off while the model is built (with it on, ComfyUI's layers
+    wait for a state dict)."""
+    import comfy.memory_management
+
+    lazy = getattr(comfy.memory_management, "aimdo_enabled", False)
+    comfy.memory_management.aimdo_enabled = False
+    try:
+        shapes = build().state_dict()
+    finally:
+        comfy.memory_management.aimdo_enabled = lazy
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for key, t in shapes.items():
+        value = torch.randn(t.shape, generator=gen, device=device)
+        out[key] = (value * (t.shape[-1] ** -0.5 if t.dim() >= 2 else 0.02)).to(torch.bfloat16).cpu()
+    return out
 
 
 # ---- the tiny Flux ----------------------------------------------------------------------------------
@@ -332,3 +355,14 @@ def assert_matches_stock(fmt: str, stock_run, lowbit_run, float_run=None, what: 
         assert mean_ours > mean_stock - CUDA_FLOAT_ERROR_SLACK_DB, (
             f"{fmt} {what}: LowBit is {mean_ours:.1f} dB from float on average, stock ({stock_numerics}) "
             f"{mean_stock:.1f} dB (per input: LowBit {[round(v, 1) for v in ours]}, stock {[round(v, 1) for v in stock]})")
+
+
+class TritonFirst(dispatch.Dispatcher):
+    """Settles every call on the first Triton candidate offered (the CPU measures nothing)."""
+
+    def choose(self, key, candidates, device):
+        name = next((n for n in candidates if n.startswith("triton:")), None)
+        if name is None:
+            return super().choose(key, candidates, device)
+        self.decisions[key.as_str()] = name
+        return name

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_helpers import require_comfy, sqnr_db
+from comfy_helpers import random_weights, require_comfy, sqnr_db
 
 require_comfy()
 
@@ -32,22 +32,9 @@ FFN_OUT = "blocks.0.ffn.2"
 
 def _wan_state_dict() -> dict[str, torch.Tensor]:
     """A one-block Wan 2.1 t2v with random weights (dim 256, two heads; ComfyUI's detection needs a 4096 text width)."""
-    import comfy.memory_management
-
-    lazy = getattr(comfy.memory_management, "aimdo_enabled", False)
-    comfy.memory_management.aimdo_enabled = False  # with Dynamic VRAM on, ComfyUI's layers wait for a state dict
-    try:
-        shapes = wan_model.WanModel(model_type="t2v", dim=256, ffn_dim=512, freq_dim=256, text_dim=4096, num_heads=2,
-                                    num_layers=1, in_dim=16, out_dim=16, device="meta",
-                                    operations=comfy.ops.disable_weight_init).state_dict()
-    finally:
-        comfy.memory_management.aimdo_enabled = lazy
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for key, t in shapes.items():
-        value = torch.randn(t.shape, generator=gen)
-        out[key] = (value * (t.shape[-1] ** -0.5 if t.dim() >= 2 else 0.02)).to(torch.bfloat16)
-    return out
+    return random_weights(lambda: wan_model.WanModel(
+        model_type="t2v", dim=256, ffn_dim=512, freq_dim=256, text_dim=4096, num_heads=2, num_layers=1, in_dim=16,
+        out_dim=16, device="meta", operations=comfy.ops.disable_weight_init))
 
 
 def _run(model_patcher, wrappers: bool = False) -> torch.Tensor:

@@ -17,7 +17,7 @@ import collections
 import pytest
 import torch
 
-from comfy_helpers import device, require_comfy, run_flux
+from comfy_helpers import TritonFirst, device, require_comfy, run_flux
 
 require_comfy()
 
@@ -28,17 +28,6 @@ from lowbit.nodes.model_quant import quantize_model  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
-
-
-class TritonFirst(dispatch.Dispatcher):
-    """Settles every call on the first Triton candidate offered (the CPU measures nothing)."""
-
-    def choose(self, key, candidates, device):
-        name = next((n for n in candidates if n.startswith("triton:")), None)
-        if name is None:
-            return super().choose(key, candidates, device)
-        self.decisions[key.as_str()] = name
-        return name
 
 
 @pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise", "int8_hadanorm", "w4a4", "w4a8"))
