@@ -284,7 +284,7 @@ def verify(device: torch.device) -> list[str]:
               f"scale rel {((s - sr).abs() / sr).max().item():.1e}, near {near}")
 
     from ..quant.compiled_linear import gelu_input
-    from .prologue import GeluPrologue, NormModPrologue
+    from .prologue import GeluPrologue, NormModPrologue, SwigluPrologue
 
     # [a | gelu(b)] (b a column slice, as Flux's single blocks): the GELU is ours, not torch's, so a
     # value may round to the neighbouring bf16 and its code move one step
@@ -304,16 +304,21 @@ def verify(device: torch.device) -> list[str]:
               bool(torch.isfinite(q.float()).all()) and frac < 1e-3 and near and torch.allclose(s, sr, rtol=2**-7),
               f"codes differing {frac:.2e}, max {diff.max().item():.3g}, scale rel {((s - sr).abs() / sr).max().item():.1e}")
 
-    # the prologues against the same kernel on the materialized input (torch's GELU, layer_norm, addcmul):
-    # tanh's or the row variance's last bit may move a value to the neighbouring bf16, and its code a step
-    for m, k, rotation, group, fp8, batches, gelu in [
-            (4096, 3072, "none", 0, True, 1, False), (4608, 3072, "regular", 256, False, 1, False),
-            (600, 3072, "sylvester", 128, False, 2, False), (77, 5000, "none", 0, False, 1, False),
-            (4608, 15360, "regular", 256, False, 1, True), (300, 15360, "none", 0, True, 1, True)]:
+    # the prologues against the same kernel on the materialized input (torch's GELU, SiLU, layer_norm, addcmul):
+    # the last bit of tanh, of the SiLU's exponential or of the row variance may move a value to the
+    # neighbouring bf16, and its code a step (MiniMax H3's MLP: 14336 = 56 x 256)
+    for m, k, rotation, group, fp8, batches, kind in [
+            (4096, 3072, "none", 0, True, 1, "norm"), (4608, 3072, "regular", 256, False, 1, "norm"),
+            (600, 3072, "sylvester", 128, False, 2, "norm"), (77, 5000, "none", 0, False, 1, "norm"),
+            (4608, 15360, "regular", 256, False, 1, "gelu"), (300, 15360, "none", 0, True, 1, "gelu"),
+            (4096, 14336, "regular", 256, False, 1, "swiglu"), (300, 14336, "none", 0, True, 1, "swiglu"),
+            (77, 5000, "none", 0, False, 1, "swiglu")]:
         dt, qmax = (FP8, 448.0) if fp8 else (torch.int8, 127.0)
-        if gelu:
+        if kind == "gelu":
             wide = (torch.randn(m, 9216 + k - 3072, device=device) * 2).to(torch.bfloat16)
             p = GeluPrologue(wide[:, 9216:], (torch.randn(m, 3072, device=device) * 3).to(torch.bfloat16), "tanh")
+        elif kind == "swiglu":
+            p = SwigluPrologue((torch.randn(m, 2 * k, device=device) * 3).to(torch.bfloat16))
         else:
             x = (torch.randn(m, k, device=device) * 3 + 0.5).to(torch.bfloat16)
             mult = (1 + 0.3 * torch.randn(batches, k, device=device)).to(torch.bfloat16)

@@ -2,20 +2,24 @@
 
 In a transformer block the input of a quantized linear is usually the output of a cheap pointwise or
 row-wise op that the previous kernel wrote to memory in bf16 just for the activation quantization to
-read it back: the MLP's GELU, Flux's ``cat((attention, gelu(mlp)), -1)``, and the block's
-``LayerNorm`` followed by the adaptive modulation ``shift + norm(x) * (1 + scale)``. A prologue
+read it back: the MLP's GELU, Flux's ``cat((attention, gelu(mlp)), -1)``, the gated MLP's
+``silu(gate) * up`` (ComfyUI's ``"swiglu"`` input activation), and the block's ``LayerNorm`` followed
+by the adaptive modulation ``shift + norm(x) * (1 + scale)``. A prologue
 describes such an input by its sources; ``triton_act_quant.act_quant_triton(prologue=...)`` computes
 it in registers from the sources, row by row, and quantizes it in the same pass, so the bf16
 intermediate is never stored.
 
 * :class:`GeluPrologue` - ``[a | gelu(b)]`` (``a`` may be absent): ``a`` ``[M, Ka]``, ``b`` ``[M, Kb]``.
+* :class:`SwigluPrologue` - ``silu(gate) * up`` of ``x = [gate | up]`` ``[M, 2K]`` (the gate first, as
+  ComfyUI's ``comfy.ops.INPUT_ACT_EAGER["swiglu"]`` splits it).
 * :class:`NormModPrologue` - ``shift + layer_norm(x) * mult`` (no affine weights, as the DiT blocks
   use it; ``mult`` and ``shift`` may be absent): ``x`` ``[M, K]``, ``mult``/``shift`` one row of ``K``
   values per batch element, each batch element ``rows_per_batch`` consecutive rows of ``x``.
 
 Each rounds what it computes to the input's dtype where the unfused graph stores a tensor (after the
-GELU; after the normalization and after the modulation), so the codes are those of the tensor the
-unfused graph would quantize, up to the last bit of ``tanh`` or of the row variance.
+GELU; after the SiLU and after the gating product; after the normalization and after the modulation),
+so the codes are those of the tensor the unfused graph would quantize, up to the last bit of ``tanh``, of
+the SiLU's exponential or of the row variance.
 :meth:`materialize` is that unfused graph in torch (the reference, and the fallback wherever a kernel
 does not take the call). Nothing here imports Triton or ComfyUI.
 """
@@ -68,6 +72,30 @@ class GeluPrologue:
         out[:, :ka] = self.a
         torch._C._nn.gelu(self.b, approximate=self.approximate, out=out[:, ka:])
         return out
+
+
+@dataclass(frozen=True, eq=False)
+class SwigluPrologue:
+    """``silu(x[:, :K]) * x[:, K:]`` of ``x`` ``[M, 2K]`` (2-D, unit column stride): a gated MLP's hidden
+    state before its down-projection, the gate first (ComfyUI's ``"swiglu"``)."""
+
+    x: torch.Tensor
+
+    def __post_init__(self):
+        if self.x.dim() != 2 or self.x.shape[1] % 2 or self.x.shape[1] == 0:
+            raise PrologueError(f"x must be 2-D [M, 2K] (gate, then up), got {tuple(self.x.shape)}")
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self.x
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.x.shape[0], self.x.shape[1] // 2
+
+    def materialize(self) -> torch.Tensor:
+        gate, up = self.x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)  # ComfyUI's eager form: the SiLU stored, then the product in place
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,6 +161,8 @@ class NormModPrologue:
         return torch.addcmul(self._per_row(self.shift), out, self._per_row(self.mult))
 
 
-Prologue = GeluPrologue | NormModPrologue
+Prologue = GeluPrologue | SwigluPrologue | NormModPrologue
+PROLOGUES = (GeluPrologue, SwigluPrologue, NormModPrologue)  # for isinstance
 
-__all__ = ["GELU_APPROXIMATIONS", "GeluPrologue", "NormModPrologue", "Prologue", "PrologueError"]
+__all__ = ["GELU_APPROXIMATIONS", "GeluPrologue", "NormModPrologue", "PROLOGUES", "Prologue", "PrologueError",
+           "SwigluPrologue"]

@@ -2,8 +2,8 @@
 
 A steady-state plan (``w8a8_linear._TritonW8A8Plan``, ``w4_linear``'s Triton plans) serves every layer
 of its format and shapes. Per kind of input – a tensor of ``M`` rows and row stride, or a prologue
-(``kernels/prologue.py``) of ``M`` rows with its GELU approximation or norm epsilon and batch rows –
-:class:`PlanReplays` runs the first call as usual (it may compile a kernel, or check a variant
+(``kernels/prologue.py``) of ``M`` rows with its GELU approximation or norm epsilon and batch rows, or a
+SwiGLU of ``M`` rows – :class:`PlanReplays` runs the first call as usual (it may compile a kernel, or check a variant
 against another), records the launches of the second, and replays them from the third call on.
 """
 
@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from .launcher import LaunchReplay, capture_launches, replays_enabled
-from .prologue import GeluPrologue
+from .prologue import GeluPrologue, SwigluPrologue
 
 _SEEN = object()  # one ordinary call made, the next one is recorded
 _NONE = object()  # recorded, but its launches cannot be replayed
@@ -28,6 +28,8 @@ def input_kind(x) -> tuple[tuple, tuple]:
         return (x.shape[0], x.stride(0)), (x,)
     if isinstance(x, GeluPrologue):
         return ("gelu", x.b.shape[0], x.approximate), (x.b, x.a)
+    if isinstance(x, SwigluPrologue):
+        return ("swiglu", x.x.shape[0]), (x.x,)
     return ("norm", x.x.shape[0], x.eps, x.rows_per_batch), (x.x, x.mult, x.shift)
 
 

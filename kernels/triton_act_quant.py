@@ -55,7 +55,7 @@ import triton.language as tl
 
 from .backend import interpreting
 from .launcher import TritonLauncher
-from .prologue import GeluPrologue, NormModPrologue
+from .prologue import PROLOGUES, GeluPrologue, SwigluPrologue
 from .reference import FP8
 from .triton_act_quant_parts import (GELU_APPROXIMATIONS, ROTATE_IMPLS, SRC_ROUNDING, _dot_fp16, _no_mean,
                                      _pow2_at_least, _prologue_rows, _rotate_superblocks, _rotation_operands, _round_in,
@@ -211,8 +211,8 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
-    ``x`` may instead be a prologue (``kernels/prologue.py``: ``[a | gelu(b)]``, or ``shift +
-    layer_norm(x) * mult``): the rows are computed from its sources in registers and quantized as
+    ``x`` may instead be a prologue (``kernels/prologue.py``: ``[a | gelu(b)]``, ``silu(gate) * up`` or
+    ``shift + layer_norm(x) * mult``): the rows are computed from its sources in registers and quantized as
     ``prologue.materialize()`` would be (the ``"pow2"`` split, no outlier columns).
 
     ``out`` (tests: a poisoned buffer) receives the codes when given; ``tile_elements`` and
@@ -238,7 +238,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     * ``max_registers``: the compiler's register cap per thread (``maxnreg``: more programs per SM,
       perhaps spills).
     """
-    prologue = x if isinstance(x, (GeluPrologue, NormModPrologue)) else None
+    prologue = x if isinstance(x, PROLOGUES) else None
     m, k = x.shape
     if prologue is not None:
         x = prologue.source
@@ -314,6 +314,10 @@ def _prologue_arguments(prologue, unused: torch.Tensor) -> tuple[tuple, dict]:
                  1, 0, 0, 0.0),
                 dict(PROLOGUE=1, APPROX=GELU_APPROXIMATIONS[prologue.approximate], HAS_A=a is not None,
                      HAS_MULT=False, HAS_SHIFT=False, SRC_ROUND=_src_rounding(prologue.b)))
+    if isinstance(prologue, SwigluPrologue):  # the gate and up halves are read through x's own pointer
+        return ((unused, unused, 0, 0, 1, 0, 0, 0.0),
+                dict(PROLOGUE=3, APPROX=0, HAS_A=False, HAS_MULT=False, HAS_SHIFT=False,
+                     SRC_ROUND=_src_rounding(prologue.x)))
     mult, shift = _unit_columns(prologue.mult), _unit_columns(prologue.shift)
 
     def batch_stride(t):

@@ -25,7 +25,7 @@ import torch
 
 import comfy.ops
 
-from ..quant.deferred import defer_gelu
+from ..quant.deferred import defer_gelu, defer_swiglu
 from .comfy_ops import CONFIG_ATTR, LowBitOpsConfig, is_lowbit_linear
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,11 @@ def linear_input_act(linear, x, input_act, act_weight=None, act_eps=0.0, residua
     lowbit, hooked = is_lowbit_linear(linear), _has_hooks(linear)
     if not (lowbit or hooked):
         return comfy.ops.linear_input_act(linear, x, input_act, **extra)
-    if input_act == "gelu_tanh" and lowbit and not hooked and _fuses_inputs(linear):
+    fuses = lowbit and not hooked and _fuses_inputs(linear)
+    if fuses and input_act == "gelu_tanh":
         h = defer_gelu(x, "tanh")  # computed inside the activation quantization where the layer can
+    elif fuses and input_act == "swiglu":
+        h = defer_swiglu(x)  # the same: silu(gate) * up from the gate and up halves, never stored
     else:
         h = _eager_act(x, input_act, act_weight, act_eps)
         if h is None:

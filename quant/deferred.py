@@ -6,7 +6,8 @@ decides the order of ops, so the fusion has to be arranged without changing that
 
 * the model's ``nn.GELU`` modules and its affine-free LayerNorms return a :class:`DeferredInput`
   (``defer_gelu`` / ``defer_layer_norm``): a tensor subclass with the output's shape, dtype and device
-  that holds only a recipe (``kernels/prologue.py``);
+  that holds only a recipe (``kernels/prologue.py``); so does the SwiGLU of ComfyUI's fused
+  ``linear_input_act`` calls on a LowBit layer (``defer_swiglu``, ``nodes/input_act.py``);
 * two follow-up ops extend the recipe instead of running: ``torch.cat((a, gelu), -1)`` (Flux's single
   blocks) and ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation, ComfyUI's ``apply_mod``);
 * a LowBit linear that receives one hands the recipe to its format's fused path
@@ -28,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..kernels.backend import interpreting
-from ..kernels.prologue import GELU_APPROXIMATIONS, GeluPrologue, NormModPrologue
+from ..kernels.prologue import GELU_APPROXIMATIONS, GeluPrologue, NormModPrologue, SwigluPrologue
 
 MAX_FEATURES = 32768  # the act-quant kernel's register-resident rows (triton_act_quant.MAX_BLOCK_K)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -122,6 +123,15 @@ def defer_gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate=approximate)
 
 
+def defer_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate | up]`` (ComfyUI's ``"swiglu"`` input activation), deferred where
+    :func:`can_defer` allows for the ``[..., K]`` output (else computed, as ComfyUI computes it)."""
+    if x.dim() >= 2 and x.shape[-1] % 2 == 0 and can_defer(x[..., : x.shape[-1] // 2]):
+        return DeferredInput(SwigluPrologue(_rows(x)), x.shape[:-1])
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate).mul_(up)
+
+
 def defer_layer_norm(x: torch.Tensor, eps: float) -> DeferredInput | None:
     """``layer_norm(x)`` over the last dim without affine weights, deferred; ``None`` where it cannot be."""
     if not can_defer(x):
@@ -185,4 +195,4 @@ def _deferred_addcmul(shift, tensor1, tensor2, *, value=1, out=None):
     return DeferredInput(NormModPrologue.checked_by_caller(p.x, p.eps, mult, add, rows_per_batch), lead)
 
 
-__all__ = ["DeferredInput", "can_defer", "defer_gelu", "defer_layer_norm", "materialize"]
+__all__ = ["DeferredInput", "can_defer", "defer_gelu", "defer_layer_norm", "defer_swiglu", "materialize"]

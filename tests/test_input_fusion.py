@@ -3,7 +3,9 @@
 * The act-quant kernel's LayerNorm + modulation prologue (Triton interpreter) gives the codes and
   scales of the same kernel on the materialized input (``F.layer_norm`` then ``torch.addcmul``), for
   INT8 and e4m3, every rotation and HadaNorm's smoothing and centring, one or two batch elements,
-  fp16 and bf16; the GELU prologue the same with a rotation.
+  fp16 and bf16; the GELU prologue the same with a rotation; the SwiGLU prologue (``silu(gate) * up``,
+  ComfyUI's eager form) the same, rotated or not, INT8 and e4m3, bf16, fp16 and fp32, with gates far
+  enough below zero that the SiLU's exponential overflows.
 * A ``DeferredInput`` answers shape, dtype and device without computing anything; ``cat`` with a
   deferred GELU and ``addcmul`` of a deferred norm extend the recipe; every other op (in place ones
   included) sees the materialized tensor, equal to what torch computes without deferral.
@@ -25,10 +27,10 @@ from kernels_helpers import needs_triton_interpreter, randn
 from lowbit.kernels import dispatch, triton_act_quant
 from lowbit.kernels.backend import capability
 from lowbit.kernels.gemm_config import default_config
-from lowbit.kernels.prologue import GeluPrologue, NormModPrologue, PrologueError
+from lowbit.kernels.prologue import GeluPrologue, NormModPrologue, PrologueError, SwigluPrologue
 from lowbit.kernels.reference import FP8, FP8_MAX, INT8_MAX
 from lowbit.kernels.triton_act_quant import act_quant_triton
-from lowbit.quant.deferred import DeferredInput, defer_gelu, defer_layer_norm
+from lowbit.quant.deferred import DeferredInput, defer_gelu, defer_layer_norm, defer_swiglu
 from lowbit.quant.formats import FORMATS
 
 K = 256
@@ -88,6 +90,30 @@ def test_gelu_prologue_with_a_rotation(code):
     assert torch.allclose(s, sr, rtol=1e-6)
 
 
+def _gate_up(rows: int, k: int, dtype, seed: int) -> torch.Tensor:
+    """``[gate | up]`` rows with a few gates far below zero (``e^-gate`` beyond fp32's range)."""
+    x = randn(rows, 2 * k, seed=seed, scale=3.0)
+    x[0, :4] = torch.tensor([-100.0, -90.0, -85.0, -60.0])
+    return x.to(dtype)
+
+
+@interpreter
+@pytest.mark.parametrize("code", ("int8", "fp8"))
+@pytest.mark.parametrize("rotation,group", [("none", 0), ("regular", 256)])
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_swiglu_prologue_codes_equal_the_kernel_on_the_materialized_input(code, rotation, group, dtype):
+    out_dtype, qmax = (torch.int8, INT8_MAX) if code == "int8" else (FP8, FP8_MAX)
+    x = _gate_up(6, K, dtype, seed=13)
+    prologue = SwigluPrologue(x)
+    assert prologue.shape == (6, K)
+    materialized = prologue.materialize()
+    assert torch.equal(materialized, F.silu(x[:, :K]) * x[:, K:])  # ComfyUI's INPUT_ACT_EAGER["swiglu"]
+    q, s, _ = act_quant_triton(prologue, out_dtype, qmax, rotation, group, None, False)
+    qr, sr, _ = act_quant_triton(materialized, out_dtype, qmax, rotation, group, None, False, split="pow2")
+    assert torch.equal(q.float(), qr.float())
+    assert torch.allclose(s, sr, rtol=1e-6)
+
+
 @interpreter
 def test_prologues_refuse_sources_that_disagree():
     x = torch.zeros(6, K, dtype=torch.bfloat16)
@@ -97,6 +123,8 @@ def test_prologues_refuse_sources_that_disagree():
         NormModPrologue(x, 1e-6, torch.ones(1, K), None)  # fp32 modulation for a bf16 input
     with pytest.raises(ValueError, match="pow2"):
         act_quant_triton(NormModPrologue(x, 1e-6), torch.int8, INT8_MAX, "none", 0, None, False, split="pieces")
+    with pytest.raises(PrologueError, match=r"\[M, 2K\]"):
+        SwigluPrologue(torch.zeros(6, 7))  # no gate and up halves
 
 
 # ---- the deferred tensor ----------------------------------------------------------------------------
@@ -159,6 +187,22 @@ def test_deferred_norm_and_addcmul_build_the_modulated_norm():
 
 
 @interpreter
+def test_deferred_swiglu_answers_metadata_and_computes_comfyuis_eager_form():
+    x = _gate_up(6, K, torch.bfloat16, seed=8).reshape(2, 3, 2 * K)
+    h = defer_swiglu(x)
+    assert isinstance(h, DeferredInput) and isinstance(h.prologue, SwigluPrologue)
+    assert h.shape == (2, 3, K) and h.dtype == torch.bfloat16 and h._value is None
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    assert torch.equal(h.materialize(), expected) and torch.equal(h * 2, expected * 2)
+    # halves too wide for the act-quant kernel: computed, the same way
+    wide = randn(2, 1 << 17, seed=2, dtype=torch.bfloat16)
+    got = defer_swiglu(wide)
+    gate, up = wide.chunk(2, dim=-1)
+    assert type(got) is torch.Tensor and torch.equal(got, F.silu(gate) * up)
+
+
+@interpreter
 def test_inputs_that_cannot_be_deferred_are_computed(monkeypatch):
     x = randn(2, 3, K, seed=9, dtype=torch.bfloat16)
     assert type(defer_gelu(x, "tanh")) is DeferredInput
@@ -185,12 +229,13 @@ def _prologues(seed: int, device: torch.device = torch.device("cpu")):
     x, mult, shift = (t.to(device) for t in _norm_inputs(3, K, 2, torch.bfloat16, seed=seed))
     return {"gelu": GeluPrologue(mlp.reshape(-1, K), None, "tanh"),
             "cat": GeluPrologue(mlp.reshape(-1, K), attn.reshape(-1, K), "tanh"),
-            "norm": NormModPrologue(x, 1e-6, mult, shift, 3)}
+            "norm": NormModPrologue(x, 1e-6, mult, shift, 3),
+            "swiglu": SwigluPrologue(_gate_up(6, K, torch.bfloat16, seed=seed).to(device))}
 
 
 @on_device
 @pytest.mark.parametrize("fmt", W8A8)
-@pytest.mark.parametrize("kind", ("gelu", "cat", "norm"))
+@pytest.mark.parametrize("kind", ("gelu", "cat", "norm", "swiglu"))
 @pytest.mark.parametrize("decision", ("triton", "torch"))
 def test_prologue_linear_runs_the_settled_plan_and_gives_the_unfused_bits(fmt, kind, decision, monkeypatch):
     if decision == "torch" and DEVICE.type != "cuda":
@@ -241,7 +286,7 @@ def test_prologue_linear_declines_where_the_plan_does_not_take_our_codes(fmt):
 
 @on_device
 @pytest.mark.parametrize("fmt", ("w4a4", "w4a8"))
-@pytest.mark.parametrize("kind", ("cat", "norm"))
+@pytest.mark.parametrize("kind", ("cat", "norm", "swiglu"))
 @pytest.mark.parametrize("decision", ("triton", "expand"))
 def test_4bit_prologue_linear_runs_the_settled_plan(fmt, kind, decision, monkeypatch):
     if decision == "expand" and fmt == "w4a4":
