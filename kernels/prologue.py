@@ -3,15 +3,16 @@
 In a transformer block the input of a quantized linear is usually the output of a cheap pointwise or
 row-wise op that the previous kernel wrote to memory in bf16 just for the activation quantization to
 read it back: the MLP's GELU, Flux's ``cat((attention, gelu(mlp)), -1)``, the gated MLP's
-``silu(gate) * up`` (ComfyUI's ``"swiglu"`` input activation), and the block's ``LayerNorm`` followed
-by the adaptive modulation ``shift + norm(x) * (1 + scale)``. A prologue
+``silu(gate) * up`` (ComfyUI's ``"swiglu"``; Flux 2's, also after the attention output), and the block's
+``LayerNorm`` followed by the adaptive modulation ``shift + norm(x) * (1 + scale)``. A prologue
 describes such an input by its sources; ``triton_act_quant.act_quant_triton(prologue=...)`` computes
 it in registers from the sources, row by row, and quantizes it in the same pass, so the bf16
 intermediate is never stored.
 
 * :class:`GeluPrologue` - ``[a | gelu(b)]`` (``a`` may be absent): ``a`` ``[M, Ka]``, ``b`` ``[M, Kb]``.
-* :class:`SwigluPrologue` - ``silu(gate) * up`` of ``x = [gate | up]`` ``[M, 2K]`` (the gate first, as
-  ComfyUI's ``comfy.ops.INPUT_ACT_EAGER["swiglu"]`` splits it).
+* :class:`SwigluPrologue` - ``[a | silu(gate) * up]`` of ``x = [gate | up]`` ``[M, 2H]`` (the gate first, as
+  ComfyUI's ``comfy.ops.INPUT_ACT_EAGER["swiglu"]`` and Flux 2's ``SiLUActivation`` split it; ``a`` may be
+  absent).
 * :class:`NormModPrologue` - ``shift + layer_norm(x) * mult`` (no affine weights, as the DiT blocks
   use it; ``mult`` and ``shift`` may be absent): ``x`` ``[M, K]``, ``mult``/``shift`` one row of ``K``
   values per batch element, each batch element ``rows_per_batch`` consecutive rows of ``x``.
@@ -76,14 +77,20 @@ class GeluPrologue:
 
 @dataclass(frozen=True, eq=False)
 class SwigluPrologue:
-    """``silu(x[:, :K]) * x[:, K:]`` of ``x`` ``[M, 2K]`` (2-D, unit column stride): a gated MLP's hidden
-    state before its down-projection, the gate first (ComfyUI's ``"swiglu"``)."""
+    """``cat([a, silu(x[:, :H]) * x[:, H:]], -1)`` of ``x`` ``[M, 2H]`` (``silu(..) * ..`` alone when ``a`` is
+    None): a gated MLP's hidden state before its down-projection, the gate first (ComfyUI's ``"swiglu"``, and
+    Flux 2's ``SiLUActivation``); 2-D sources, unit column stride."""
 
     x: torch.Tensor
+    a: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.x.dim() != 2 or self.x.shape[1] % 2 or self.x.shape[1] == 0:
-            raise PrologueError(f"x must be 2-D [M, 2K] (gate, then up), got {tuple(self.x.shape)}")
+            raise PrologueError(f"x must be 2-D [M, 2H] (gate, then up), got {tuple(self.x.shape)}")
+        if self.a is not None and (self.a.dim() != 2 or self.a.shape[0] != self.x.shape[0]
+                                   or self.a.dtype != self.x.dtype or self.a.device != self.x.device):
+            raise PrologueError(f"a must be 2-D with x's rows, dtype and device, got {tuple(self.a.shape)} "
+                                f"{self.a.dtype} and {tuple(self.x.shape)} {self.x.dtype}")
 
     @property
     def source(self) -> torch.Tensor:
@@ -91,11 +98,17 @@ class SwigluPrologue:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.x.shape[0], self.x.shape[1] // 2
+        return self.x.shape[0], self.x.shape[1] // 2 + (0 if self.a is None else self.a.shape[1])
 
     def materialize(self) -> torch.Tensor:
         gate, up = self.x.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)  # ComfyUI's eager form: the SiLU stored, then the product in place
+        if self.a is None:
+            return F.silu(gate).mul_(up)  # ComfyUI's eager form: the SiLU stored, then the product in place
+        out = self.x.new_empty(self.shape)
+        ka = self.a.shape[1]
+        out[:, :ka] = self.a
+        torch.mul(F.silu(gate), up, out=out[:, ka:])
+        return out
 
 
 @dataclass(frozen=True, eq=False)

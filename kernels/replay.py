@@ -29,7 +29,7 @@ def input_kind(x) -> tuple[tuple, tuple]:
     if isinstance(x, GeluPrologue):
         return ("gelu", x.b.shape[0], x.approximate), (x.b, x.a)
     if isinstance(x, SwigluPrologue):
-        return ("swiglu", x.x.shape[0]), (x.x,)
+        return ("swiglu", x.x.shape[0]), (x.x, x.a)
     return ("norm", x.x.shape[0], x.eps, x.rows_per_batch), (x.x, x.mult, x.shift)
 
 

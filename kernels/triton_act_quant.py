@@ -211,7 +211,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
-    ``x`` may instead be a prologue (``kernels/prologue.py``: ``[a | gelu(b)]``, ``silu(gate) * up`` or
+    ``x`` may instead be a prologue (``kernels/prologue.py``: ``[a | gelu(b)]``, ``[a | silu(gate) * up]`` or
     ``shift + layer_norm(x) * mult``): the rows are computed from its sources in registers and quantized as
     ``prologue.materialize()`` would be (the ``"pow2"`` split, no outlier columns).
 
@@ -308,16 +308,13 @@ def _prologue_arguments(prologue, unused: torch.Tensor) -> tuple[tuple, dict]:
     if prologue is None:
         return (unused, unused, 0, 0, 1, 0, 0, 0.0), dict(PROLOGUE=0, APPROX=0, HAS_A=False, HAS_MULT=False,
                                                             HAS_SHIFT=False, SRC_ROUND=0)
-    if isinstance(prologue, GeluPrologue):
+    if isinstance(prologue, (GeluPrologue, SwigluPrologue)):  # [a | gelu(b)] or [a | silu(gate) * up]
         a = _unit_columns(prologue.a)
+        gelu = isinstance(prologue, GeluPrologue)
         return ((unused if a is None else a, unused, 0 if a is None else a.shape[1], 0 if a is None else a.stride(0),
                  1, 0, 0, 0.0),
-                dict(PROLOGUE=1, APPROX=GELU_APPROXIMATIONS[prologue.approximate], HAS_A=a is not None,
-                     HAS_MULT=False, HAS_SHIFT=False, SRC_ROUND=_src_rounding(prologue.b)))
-    if isinstance(prologue, SwigluPrologue):  # the gate and up halves are read through x's own pointer
-        return ((unused, unused, 0, 0, 1, 0, 0, 0.0),
-                dict(PROLOGUE=3, APPROX=0, HAS_A=False, HAS_MULT=False, HAS_SHIFT=False,
-                     SRC_ROUND=_src_rounding(prologue.x)))
+                dict(PROLOGUE=1 if gelu else 3, APPROX=GELU_APPROXIMATIONS[prologue.approximate] if gelu else 0,
+                     HAS_A=a is not None, HAS_MULT=False, HAS_SHIFT=False, SRC_ROUND=_src_rounding(prologue.source)))
     mult, shift = _unit_columns(prologue.mult), _unit_columns(prologue.shift)
 
     def batch_stride(t):

@@ -6,10 +6,11 @@ decides the order of ops, so the fusion has to be arranged without changing that
 
 * the model's ``nn.GELU`` modules and its affine-free LayerNorms return a :class:`DeferredInput`
   (``defer_gelu`` / ``defer_layer_norm``): a tensor subclass with the output's shape, dtype and device
-  that holds only a recipe (``kernels/prologue.py``); so does the SwiGLU of ComfyUI's fused
-  ``linear_input_act`` calls on a LowBit layer (``defer_swiglu``, ``nodes/input_act.py``);
+  that holds only a recipe (``kernels/prologue.py``); so do Flux 2's ``SiLUActivation`` modules and the
+  SwiGLU of ComfyUI's fused ``linear_input_act`` calls on a LowBit layer (``defer_swiglu``);
 * two follow-up ops extend the recipe instead of running: ``torch.cat((a, gelu), -1)`` (Flux's single
-  blocks) and ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation, ComfyUI's ``apply_mod``);
+  blocks; Flux 2's with its SwiGLU) and ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation,
+  ComfyUI's ``apply_mod``);
 * a LowBit linear that receives one hands the recipe to its format's fused path
   (``FormatCodec.prologue_linear``): the act-quant kernel computes the rows from the sources.
 
@@ -23,6 +24,7 @@ Nothing here imports ComfyUI; ``nodes/comfy_ops.py`` installs the producers on a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -140,21 +142,22 @@ def defer_layer_norm(x: torch.Tensor, eps: float) -> DeferredInput | None:
 
 
 def _deferred_cat(tensors, dim=0, *, out=None):
-    """``cat((a, gelu(b)), -1)`` as a deferred ``[a | gelu(b)]``; ``None`` for any other concatenation."""
+    """``cat((a, gelu(b)), -1)`` / ``cat((a, swiglu(x)), -1)`` as a deferred ``[a | ...]``; ``None`` for any other
+    concatenation."""
     if out is not None or not isinstance(tensors, (tuple, list)) or len(tensors) != 2:
         return None
     a, d = tensors
     if not isinstance(d, DeferredInput) or isinstance(a, DeferredInput) or type(a) is not torch.Tensor:
         return None
     p = d.prologue
-    if not isinstance(p, GeluPrologue) or p.a is not None or d._value is not None:
+    if not isinstance(p, (GeluPrologue, SwigluPrologue)) or p.a is not None or d._value is not None:
         return None
-    lead, b = d.lead_shape, p.b  # the deferred tensor's metadata, read from plain tensors
+    lead, src = d.lead_shape, p.source  # the deferred tensor's metadata, read from plain tensors
     ndim = len(lead) + 1
-    if (a.dim() != ndim or dim not in (-1, ndim - 1) or a.shape[:-1] != lead or a.dtype != b.dtype
-            or a.device != b.device or a.shape[-1] + b.shape[-1] > MAX_FEATURES):
+    if (a.dim() != ndim or dim not in (-1, ndim - 1) or a.shape[:-1] != lead or a.dtype != src.dtype
+            or a.device != src.device or a.shape[-1] + p.shape[1] > MAX_FEATURES):
         return None
-    return DeferredInput(GeluPrologue(b, _rows(a), p.approximate), lead)
+    return DeferredInput(dataclasses.replace(p, a=_rows(a)), lead)
 
 
 def _per_batch(t, lead_shape: tuple, features: int) -> torch.Tensor | None:

@@ -5,7 +5,7 @@
   INT8 and e4m3, every rotation and HadaNorm's smoothing and centring, one or two batch elements,
   fp16 and bf16; the GELU prologue the same with a rotation; the SwiGLU prologue (``silu(gate) * up``,
   ComfyUI's eager form) the same, rotated or not, INT8 and e4m3, bf16, fp16 and fp32, with gates far
-  enough below zero that the SiLU's exponential overflows.
+  enough below zero that the SiLU's exponential overflows, and after an attention output (Flux 2).
 * A ``DeferredInput`` answers shape, dtype and device without computing anything; ``cat`` with a
   deferred GELU and ``addcmul`` of a deferred norm extend the recipe; every other op (in place ones
   included) sees the materialized tensor, equal to what torch computes without deferral.
@@ -115,6 +115,24 @@ def test_swiglu_prologue_codes_equal_the_kernel_on_the_materialized_input(code, 
 
 
 @interpreter
+@pytest.mark.parametrize("code", ("int8", "fp8"))
+def test_swiglu_prologue_after_an_attention_output(code):
+    """Flux 2's single blocks: ``cat((attn, swiglu(mlp)), -1)``, ``mlp`` a column slice of a wider output."""
+    out_dtype, qmax = (torch.int8, INT8_MAX) if code == "int8" else (FP8, FP8_MAX)
+    wide = torch.cat((randn(6, 96, seed=3, dtype=torch.bfloat16), _gate_up(6, K - 64, torch.bfloat16, seed=4)), 1)
+    attn = randn(6, 64, seed=5, scale=2.0, dtype=torch.bfloat16)
+    prologue = SwigluPrologue(wide[:, 96:], attn)
+    assert prologue.shape == (6, K) and prologue.x.stride(0) == wide.shape[1]
+    gate, up = wide[:, 96:].chunk(2, dim=-1)
+    materialized = prologue.materialize()
+    assert torch.equal(materialized, torch.cat((attn, F.silu(gate) * up), 1))
+    q, s, _ = act_quant_triton(prologue, out_dtype, qmax, "regular", 256, None, False)
+    qr, sr, _ = act_quant_triton(materialized, out_dtype, qmax, "regular", 256, None, False, split="pow2")
+    assert torch.equal(q.float(), qr.float())
+    assert torch.allclose(s, sr, rtol=1e-6)
+
+
+@interpreter
 def test_prologues_refuse_sources_that_disagree():
     x = torch.zeros(6, K, dtype=torch.bfloat16)
     with pytest.raises(PrologueError, match="modulation rows"):
@@ -123,8 +141,10 @@ def test_prologues_refuse_sources_that_disagree():
         NormModPrologue(x, 1e-6, torch.ones(1, K), None)  # fp32 modulation for a bf16 input
     with pytest.raises(ValueError, match="pow2"):
         act_quant_triton(NormModPrologue(x, 1e-6), torch.int8, INT8_MAX, "none", 0, None, False, split="pieces")
-    with pytest.raises(PrologueError, match=r"\[M, 2K\]"):
+    with pytest.raises(PrologueError, match=r"\[M, 2H\]"):
         SwigluPrologue(torch.zeros(6, 7))  # no gate and up halves
+    with pytest.raises(PrologueError, match="a must be"):
+        SwigluPrologue(torch.zeros(6, 8), torch.zeros(5, 4))  # not x's rows
 
 
 # ---- the deferred tensor ----------------------------------------------------------------------------
@@ -195,6 +215,12 @@ def test_deferred_swiglu_answers_metadata_and_computes_comfyuis_eager_form():
     gate, up = x.chunk(2, dim=-1)
     expected = F.silu(gate).mul_(up)
     assert torch.equal(h.materialize(), expected) and torch.equal(h * 2, expected * 2)
+    # an attention output before it (Flux 2's single blocks) extends the recipe; after it, computed
+    attn = randn(2, 3, 64, seed=9, dtype=torch.bfloat16)
+    cat = torch.cat((attn, defer_swiglu(x)), -1)
+    assert isinstance(cat, DeferredInput) and cat.prologue.a is not None and cat.shape == (2, 3, 64 + K)
+    assert torch.equal(cat.materialize(), torch.cat((attn, expected), -1))
+    assert type(torch.cat((defer_swiglu(x), attn), -1)) is torch.Tensor
     # halves too wide for the act-quant kernel: computed, the same way
     wide = randn(2, 1 << 17, seed=2, dtype=torch.bfloat16)
     got = defer_swiglu(wide)
@@ -230,12 +256,14 @@ def _prologues(seed: int, device: torch.device = torch.device("cpu")):
     return {"gelu": GeluPrologue(mlp.reshape(-1, K), None, "tanh"),
             "cat": GeluPrologue(mlp.reshape(-1, K), attn.reshape(-1, K), "tanh"),
             "norm": NormModPrologue(x, 1e-6, mult, shift, 3),
-            "swiglu": SwigluPrologue(_gate_up(6, K, torch.bfloat16, seed=seed).to(device))}
+            "swiglu": SwigluPrologue(_gate_up(6, K, torch.bfloat16, seed=seed).to(device)),
+            "cat_swiglu": SwigluPrologue(_gate_up(6, K - 64, torch.bfloat16, seed=seed).to(device),
+                                         attn.reshape(-1, K)[:, :64].to(device))}
 
 
 @on_device
 @pytest.mark.parametrize("fmt", W8A8)
-@pytest.mark.parametrize("kind", ("gelu", "cat", "norm", "swiglu"))
+@pytest.mark.parametrize("kind", ("gelu", "cat", "norm", "swiglu", "cat_swiglu"))
 @pytest.mark.parametrize("decision", ("triton", "torch"))
 def test_prologue_linear_runs_the_settled_plan_and_gives_the_unfused_bits(fmt, kind, decision, monkeypatch):
     if decision == "torch" and DEVICE.type != "cuda":
@@ -286,7 +314,7 @@ def test_prologue_linear_declines_where_the_plan_does_not_take_our_codes(fmt):
 
 @on_device
 @pytest.mark.parametrize("fmt", ("w4a4", "w4a8"))
-@pytest.mark.parametrize("kind", ("cat", "norm", "swiglu"))
+@pytest.mark.parametrize("kind", ("cat", "norm", "swiglu", "cat_swiglu"))
 @pytest.mark.parametrize("decision", ("triton", "expand"))
 def test_4bit_prologue_linear_runs_the_settled_plan(fmt, kind, decision, monkeypatch):
     if decision == "expand" and fmt == "w4a4":
