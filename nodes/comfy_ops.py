@@ -36,6 +36,8 @@ weight's space, and divided back before requantizing.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -48,7 +50,7 @@ from comfy_kitchen.tensor import QuantizedTensor
 
 from ..kernels.dispatch import current_dispatcher
 from ..quant.compiled_linear import quantized_linear
-from ..quant.deferred import DeferredInput, defer_gelu, defer_layer_norm
+from ..quant.deferred import DeferredInput, defer_gelu, defer_layer_norm, defer_swiglu
 from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatError
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.layouts.base import form_prologue_linear, form_settled_linear
@@ -634,6 +636,32 @@ class DeferredLayerNormMixin:
         return super().forward(input, *args, **kwargs)
 
 
+class DeferredSwiGLUMixin:
+    """Flux 2's ``SiLUActivation`` (``silu(x1) * x2`` of the two halves of ``x``) whose output may be a deferred
+    input (``quant/deferred.py``); with another gate function, or hooks on it, it is its class's own."""
+
+    def forward(self, x):
+        gate_fn = getattr(self, "gate_fn", None)
+        if type(gate_fn) is torch.nn.SiLU and not (gate_fn._forward_hooks or gate_fn._forward_pre_hooks
+                                                    or "forward" in gate_fn.__dict__):
+            return defer_swiglu(x)
+        return super().forward(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_activation_class() -> type | None:
+    """ComfyUI's Flux 2 ``SiLUActivation``, where this ComfyUI has it and it computes ``silu(x1) * x2`` of
+    ``x.chunk(2, -1)`` (checked once on a small tensor: the deferral stands for exactly that)."""
+    try:
+        cls = importlib.import_module("comfy.ldm.flux.layers").SiLUActivation
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ok = torch.equal(cls()(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
+    except Exception:  # absent, or another signature: such modules keep their own forward
+        return None
+    return cls if ok else None
+
+
 def _layer_norm_forwards() -> set:
     """The LayerNorm forwards that compute exactly ``F.layer_norm`` (what a deferral stands for)."""
     forwards = {torch.nn.LayerNorm.forward}
@@ -652,21 +680,25 @@ def _deferring_class(base: type, mixin: type, classes: dict[type, type]) -> type
 
 
 def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, type]) -> int:
-    """Let the model's GELUs and affine-free LayerNorms hand their outputs to LowBit linears uncomputed.
+    """Let the model's GELUs, SwiGLUs and affine-free LayerNorms hand their outputs to LowBit linears uncomputed.
 
-    Swaps the ``__class__`` of every exact ``nn.GELU`` and of every LayerNorm without weights whose
-    class computes plain ``F.layer_norm`` (torch's, ComfyUI's ops) to a per-model subclass (``classes``:
+    Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation`` (where
+    ComfyUI has it) and of every LayerNorm without weights whose class computes plain ``F.layer_norm``
+    (torch's, ComfyUI's ops) to a per-model subclass (``classes``:
     the caller's per-model cache; nothing global changes). Their outputs become deferred inputs
     (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation
     quantization; anything else gets the computed tensor. Subclasses with forwards of their own
     (e.g. a norm that upcasts) are left alone. Returns how many modules were swapped (0 on a second call).
     """
     norm_forwards = _layer_norm_forwards()
+    swiglu = _swiglu_activation_class()
     swapped = 0
     for module in diffusion_model.modules():
         cls = type(module)
         if cls is torch.nn.GELU:
             module.__class__ = _deferring_class(cls, DeferredGELUMixin, classes)
+        elif swiglu is not None and cls is swiglu:
+            module.__class__ = _deferring_class(cls, DeferredSwiGLUMixin, classes)
         elif (isinstance(module, torch.nn.LayerNorm) and not isinstance(module, DeferredLayerNormMixin)
               and cls.forward in norm_forwards and module.weight is None and module.bias is None):
             module.__class__ = _deferring_class(cls, DeferredLayerNormMixin, classes)

@@ -221,6 +221,37 @@ def run_flux(model_patcher, seed: int = 0, load: bool = True) -> torch.Tensor:
     return out.float().cpu()
 
 
+#: a tiny Flux 2 (ComfyUI's ``flux2``: SwiGLU MLPs, global modulation, 128 latent channels): width 256, two heads
+TINY_FLUX2 = dict(image_model="flux2", axes_dim=[32, 32, 32, 32], num_heads=2, mlp_ratio=3.0, theta=2000,
+                  out_channels=128, global_modulation=True, mlp_silu_act=True, qkv_bias=False, ops_bias=False,
+                  default_ref_method="index", ref_index_scale=10.0, txt_ids_dims=[3], patch_size=1, in_channels=128,
+                  hidden_size=256, context_in_dim=64, vec_in_dim=None, depth=1, depth_single_blocks=1,
+                  guidance_embed=True, yak_mlp=False, txt_norm=False)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_flux2_bf16() -> dict[str, torch.Tensor]:
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    return random_weights(lambda: comfy.ldm.flux.model.Flux(**TINY_FLUX2, device="meta",
+                                                            operations=comfy.ops.disable_weight_init))
+
+
+def run_flux2(model_patcher, seed: int = 0) -> torch.Tensor:
+    """One denoiser call of the tiny Flux 2 (an 8x8 latent, 16 text tokens), weights loaded first."""
+    import comfy.model_management
+
+    gen = torch.Generator().manual_seed(seed)
+    x, context = torch.randn(1, 128, 8, 8, generator=gen), torch.randn(1, 16, 64, generator=gen)
+    comfy.model_management.load_models_gpu([model_patcher])
+    dev = model_patcher.load_device
+    with torch.no_grad():
+        out = model_patcher.model.apply_model(x.to(dev), torch.tensor([0.7], device=dev),
+                                              c_crossattn=context.to(dev), guidance=torch.tensor([3.5], device=dev))
+    return out.float().cpu()
+
+
 def flux_runner(model_patcher, output_0: torch.Tensor | None = None):
     """``seed -> run_flux(model_patcher, seed)``, giving ``output_0`` for input 0 where it was already run."""
     return lambda seed: output_0 if seed == 0 and output_0 is not None else run_flux(model_patcher, seed)

@@ -1,4 +1,4 @@
-"""A quantized Flux in real ComfyUI, its LayerNorms and GELUs fused into the activation quantization.
+"""A quantized Flux in real ComfyUI, its LayerNorms and GELUs (Flux 2: SwiGLUs) fused into the activation quantization.
 
 The tiny Flux, quantized by LowBit: its GELUs and affine-free LayerNorms are swapped to deferring
 subclasses (per model; a stock model keeps its classes). Run through ComfyUI with every W8A8 call
@@ -17,30 +17,24 @@ import collections
 import pytest
 import torch
 
-from comfy_helpers import TritonFirst, device, require_comfy, run_flux
+from comfy_helpers import TritonFirst, device, load_stock, require_comfy, run_flux, run_flux2, tiny_flux2_bf16
 
 require_comfy()
 
 from kernels_helpers import needs_triton_interpreter  # noqa: E402
 from lowbit.kernels import dispatch, triton_act_quant  # noqa: E402
-from lowbit.nodes.comfy_ops import DeferredGELUMixin, DeferredLayerNormMixin  # noqa: E402
+from lowbit.nodes.comfy_ops import DeferredGELUMixin, DeferredLayerNormMixin, DeferredSwiGLUMixin  # noqa: E402
 from lowbit.nodes.model_quant import quantize_model  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
 
 
-@pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise", "int8_hadanorm", "w4a4", "w4a8"))
-def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, monkeypatch):
-    model = quantize_model(float_model, Policy(mode=fmt))
-    dm = model.model.diffusion_model
-    kinds = collections.Counter(type(m).__mro__[1].__name__ for m in dm.modules()
-                                if isinstance(m, (DeferredGELUMixin, DeferredLayerNormMixin)))
-    assert kinds["DeferredGELUMixin"] == 2 * len(dm.double_blocks) + len(dm.single_blocks)
-    assert kinds["DeferredLayerNormMixin"] >= 4 * len(dm.double_blocks) + len(dm.single_blocks)
-    assert not any(isinstance(m, (DeferredGELUMixin, DeferredLayerNormMixin))
-                   for m in float_model.model.diffusion_model.modules())  # the source model is untouched
-
+def _fused_and_unfused(model, run, monkeypatch):
+    """``run(model)`` with every call computed as written, then twice with the fused plans settled: (unfused, the
+    first fused run, the second, a count of the second's prologue kinds, and per fused call (share of codes
+    differing from the same kernel on the computed input, all within a step, scale's relative difference,
+    centring mean's difference))."""
     calls, differing = [], []
     real = triton_act_quant.act_quant_triton
 
@@ -61,22 +55,23 @@ def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, mo
 
     monkeypatch.setattr(triton_act_quant, "act_quant_triton", spy)
     with dispatch.use_dispatcher(TritonFirst(measure=False, fast=False)):  # no settled plans: all computed
-        unfused = run_flux(model)
+        unfused = run(model)
     assert calls and all(isinstance(x, torch.Tensor) for x in calls)
     with dispatch.use_dispatcher(TritonFirst(measure=False)):
-        first = run_flux(model)  # settles the plans: each first call runs the fused plan it settled
+        first = run(model)  # settles the plans: each first call runs the fused plan it settled
         calls.clear()
-        fused = run_flux(model)
+        differing.clear()
+        fused = run(model)
+    kinds = collections.Counter(type(x).__name__ + ("+a" if getattr(x, "a", None) is not None else "")
+                                for x in calls if not isinstance(x, torch.Tensor))
+    return unfused, first, fused, kinds, differing
+
+
+def _assert_fused_as_computed(float_output, unfused, first, fused, differing) -> None:
     assert torch.equal(first, fused)  # the first run gives the bits of the next (a seed, the same image)
-    prologues = collections.Counter(
-        ("cat" if x.a is not None else "gelu") if type(x).__name__ == "GeluPrologue" else type(x).__name__
-        for x in calls if not isinstance(x, torch.Tensor))
-    _assert_resident_in_the_vbar_if_dynamic(model)  # Dynamic VRAM: the fused path runs on the vbar's copies
-    assert prologues["NormModPrologue"] == 4 * len(dm.double_blocks) + len(dm.single_blocks)
-    assert prologues["cat"] == len(dm.single_blocks)
-    assert prologues["gelu"] == 2 * len(dm.double_blocks)
     # every fused call: the codes of the input ComfyUI's own graph computes, but where the last bit of
-    # tanh or of the row variance moves a value to the neighbouring bf16 (then its code moves one step)
+    # tanh, of the SiLU's exponential or of the row variance moves a value to the neighbouring bf16 (then its
+    # code moves one step)
     for frac, within_a_step, scale_rel, mean_diff in differing:
         assert frac < 1e-3 and within_a_step and scale_rel < 2**-7 and mean_diff < 1e-5
     # the output: as accurate as the unfused run (this random model amplifies a moved code, so the two
@@ -84,6 +79,48 @@ def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, mo
     assert torch.isfinite(fused).all()
     quant_error = (unfused - float_output).pow(2).mean()
     assert (fused - float_output).pow(2).mean() <= 1.1 * quant_error
+
+
+@pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise", "int8_hadanorm", "w4a4", "w4a8"))
+def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, monkeypatch):
+    model = quantize_model(float_model, Policy(mode=fmt))
+    dm = model.model.diffusion_model
+    kinds = collections.Counter(type(m).__mro__[1].__name__ for m in dm.modules()
+                                if isinstance(m, (DeferredGELUMixin, DeferredLayerNormMixin)))
+    assert kinds["DeferredGELUMixin"] == 2 * len(dm.double_blocks) + len(dm.single_blocks)
+    assert kinds["DeferredLayerNormMixin"] >= 4 * len(dm.double_blocks) + len(dm.single_blocks)
+    assert not any(isinstance(m, (DeferredGELUMixin, DeferredLayerNormMixin))
+                   for m in float_model.model.diffusion_model.modules())  # the source model is untouched
+
+    unfused, first, fused, prologues, differing = _fused_and_unfused(model, run_flux, monkeypatch)
+    _assert_resident_in_the_vbar_if_dynamic(model)  # Dynamic VRAM: the fused path runs on the vbar's copies
+    assert prologues["NormModPrologue"] == 4 * len(dm.double_blocks) + len(dm.single_blocks)
+    assert prologues["GeluPrologue+a"] == len(dm.single_blocks)
+    assert prologues["GeluPrologue"] == 2 * len(dm.double_blocks)
+    _assert_fused_as_computed(float_output, unfused, first, fused, differing)
+
+
+@pytest.fixture(scope="module")
+def flux2():
+    model = load_stock(tiny_flux2_bf16())
+    return model, run_flux2(model)
+
+
+@pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise", "w4a8"))
+def test_flux2_swiglus_are_computed_inside_the_activation_quantization(flux2, fmt, monkeypatch):
+    """Flux 2's MLPs: ``SiLUActivation`` (``silu(x1) * x2``) before each double block's ``mlp.2``, and in each
+    single block ``cat((attn, silu(x1) * x2), 2)`` before ``linear2``: both reach the layer uncomputed."""
+    float_model, float_output = flux2
+    model = quantize_model(float_model, Policy(mode=fmt))
+    dm = model.model.diffusion_model
+    swiglus = [m for m in dm.modules() if isinstance(m, DeferredSwiGLUMixin)]
+    assert len(swiglus) == 2 * len(dm.double_blocks) + len(dm.single_blocks)
+    assert not any(isinstance(m, DeferredSwiGLUMixin) for m in float_model.model.diffusion_model.modules())
+
+    unfused, first, fused, prologues, differing = _fused_and_unfused(model, run_flux2, monkeypatch)
+    assert prologues["SwigluPrologue"] == 2 * len(dm.double_blocks)
+    assert prologues["SwigluPrologue+a"] == len(dm.single_blocks)
+    _assert_fused_as_computed(float_output, unfused, first, fused, differing)
 
 
 def _assert_resident_in_the_vbar_if_dynamic(model) -> None:
@@ -153,3 +190,24 @@ def test_only_plain_gelus_and_affine_free_norms_are_swapped_and_they_compute_as_
         for name, out in before.items():
             got = model[name](x)
             assert torch.equal(got * 1, out), name  # any op computes a deferred output as the module did
+
+
+def test_a_swiglu_with_another_gate_or_a_hooked_one_runs_its_own_forward(flux2):
+    """The deferral stands for ``silu(x1) * x2``: a ``SiLUActivation`` whose ``gate_fn`` is hooked, or is not an
+    ``nn.SiLU``, computes its output as its class does."""
+    import comfy.ldm.flux.layers as flux_layers
+
+    model = quantize_model(flux2[0], Policy(mode="int8_convrot"))
+    act = model.model.diffusion_model.double_blocks[0].img_mlp[1]
+    assert isinstance(act, DeferredSwiGLUMixin) and isinstance(act, flux_layers.SiLUActivation)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x1, x2 = x.chunk(2, dim=-1)
+    handle = act.gate_fn.register_forward_hook(lambda module, args, out: out * 2)
+    try:
+        out = act(x)
+        assert type(out) is torch.Tensor and torch.equal(out, 2 * torch.nn.functional.silu(x1) * x2)
+    finally:
+        handle.remove()
+    act.gate_fn = torch.nn.GELU()
+    out = act(x)
+    assert type(out) is torch.Tensor and torch.equal(out, torch.nn.functional.gelu(x1) * x2)
