@@ -1,24 +1,26 @@
-"""An MLP that ComfyUI computes with ``linear_input_act``, in real ComfyUI: bf16, ComfyUI's fused call and LowBit's.
+"""A transformer MLP in real ComfyUI: bf16, ComfyUI's own fused call where it has one, and LowBit's.
 
 Usage (from the repository root)::
 
   python tests/gpu/bench_wan_ffn.py --out wan_ffn.json
-  python tests/gpu/bench_wan_ffn.py --model minimax --out minimax_mlp.json
+  python tests/gpu/bench_wan_ffn.py --model minimax --unfused --out minimax_mlp.json
+  python tests/gpu/bench_wan_ffn.py --model flux2 --unfused --out flux2_mlp.json
   python tests/gpu/bench_wan_ffn.py --device cpu --sizes tiny --tokens 64 --iters 2   # CPU smoke run
 
 ComfyUI's ``WanFeedForward`` computes ``ffn.2`` as ``comfy.ops.linear_input_act(ffn[2], ffn[0](x), "gelu_tanh")``,
 and MiniMax H3's ``MLP`` computes ``fc2`` as ``linear_input_act(fc2, fc1(x), "swiglu")``: for an INT8 weight,
 kitchen's INT8 linear with the activation inside its activation quantizer, without calling the layer. LowBit
 routes that call through its layer (``nodes/input_act.py``), and computes the GELU or the SwiGLU inside its own
-activation quantization. Per size (a one-block model with random bf16 weights, loaded by ComfyUI, quantized by
-Quantize Model's core, ``int8_convrot`` unless ``--mode`` says otherwise) and token count, the median time of the
-whole MLP module:
+activation quantization. Flux 2's double blocks run ``Linear -> SiLUActivation -> Linear`` (no fused call in
+ComfyUI); LowBit defers the SwiGLU to the second linear's activation quantization the same way. Per size (a
+one-block model with random bf16 weights, loaded by ComfyUI, quantized by Quantize Model's core,
+``int8_convrot`` unless ``--mode`` says otherwise) and token count, the median time of the whole MLP module:
 
 * ``bf16``: the float model's;
-* ``stock_fused``: the quantized module with ComfyUI's own class (what LowBit's layers got before the routing);
-* ``lowbit``: the quantized module as LowBit leaves it (routed; the activation computed in LowBit's act-quant
-  kernel);
-* ``lowbit_unfused`` (``--unfused``): routed, with the activation computed by torch first (``fuse_inputs=False``);
+* ``stock_fused`` (Wan, MiniMax): the quantized module with ComfyUI's own class (what LowBit's layers got before
+  the routing);
+* ``lowbit``: the quantized module as LowBit leaves it (the activation computed in LowBit's act-quant kernel);
+* ``lowbit_unfused`` (``--unfused``): the same with the activation computed by torch first (``fuse_inputs=False``);
 
 and each one's relative error against bf16.
 """
@@ -26,6 +28,8 @@ and each one's relative error against bf16.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -62,6 +66,47 @@ def one_block_minimax(hidden: int, ffn: int, heads: int, device: torch.device):
         operations=comfy.ops.disable_weight_init), device=device))
 
 
+#: Flux 2 widths: hidden, MLP hidden (the second linear's input), heads of 128 (dev: 6144, 18432, 48; klein 4B:
+#: 3072, 9216, 24)
+FLUX2_SIZES = {"dev": (6144, 18432, 48), "klein": (3072, 9216, 24), "tiny": (256, 768, 2)}
+
+
+def one_block_flux2(hidden: int, ffn: int, heads: int, device: torch.device):
+    import comfy.ldm.flux.model as flux_model
+    import comfy.ops
+    import comfy.sd
+    from comfy_helpers import TINY_FLUX2, random_weights
+
+    config = dict(TINY_FLUX2, hidden_size=hidden, num_heads=heads, mlp_ratio=ffn / hidden, depth=1,
+                  depth_single_blocks=1)
+    return comfy.sd.load_diffusion_model_state_dict(random_weights(lambda: flux_model.Flux(
+        **config, device="meta", operations=comfy.ops.disable_weight_init), device=device))
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    sizes: dict
+    default_sizes: tuple
+    build: object  # (hidden, ffn, heads, device) -> ModelPatcher
+    mlp: object  # diffusion model -> the MLP module
+    stock_class: object  # () -> ComfyUI's own class of the MLP module, whose fused call LowBit routes; or None
+    first_weight: object  # MLP -> its first linear's weight (the model's compute dtype)
+    rows: object  # tokens -> the leading dims of the MLP's input
+
+
+def _models() -> dict[str, Model]:
+    return {
+        "wan": Model(SIZES, ("1.3b", "14b"), one_block_wan, lambda dm: dm.blocks[0].ffn,
+                     lambda: importlib.import_module("comfy.ldm.wan.model").WanFeedForward, lambda mlp: mlp[0].weight,
+                     lambda tokens: (1, tokens)),
+        "minimax": Model(MINIMAX_SIZES, ("h3",), one_block_minimax, lambda dm: dm.blocks[0].mlp,
+                         lambda: importlib.import_module("comfy.ldm.minimax.model").MLP, lambda mlp: mlp.fc1.weight,
+                         lambda tokens: (tokens,)),  # MiniMax's blocks run on [tokens, hidden]
+        "flux2": Model(FLUX2_SIZES, ("dev", "klein"), one_block_flux2, lambda dm: dm.double_blocks[0].img_mlp,
+                       None, lambda mlp: mlp[0].weight, lambda tokens: (1, tokens)),  # SiLUActivation, no fused call
+    }
+
+
 def timed(fn, device: torch.device, iters: int) -> float:
     for _ in range(2):
         fn()
@@ -78,17 +123,23 @@ def timed(fn, device: torch.device, iters: int) -> float:
 
 
 def main(argv=None) -> int:
+    models = _models()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="wan", choices=("wan", "minimax"))
+    p.add_argument("--model", default="wan", choices=sorted(models))
     p.add_argument("--sizes", nargs="+", default=None,
-                   help=f"wan: {sorted(SIZES)} (default 1.3b 14b); minimax: {sorted(MINIMAX_SIZES)} (default h3)")
+                   help="; ".join(f"{name}: {sorted(m.sizes)} (default {' '.join(m.default_sizes)})"
+                                  for name, m in models.items()))
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     p.add_argument("--mode", default="int8_convrot")
-    p.add_argument("--unfused", action="store_true", help="also time the routed module with fuse_inputs=False")
+    p.add_argument("--unfused", action="store_true", help="also time the quantized module with fuse_inputs=False")
     p.add_argument("--device", default="cuda")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    spec = models[args.model]
+    chosen = args.sizes or list(spec.default_sizes)
+    if any(size not in spec.sizes for size in chosen):
+        p.error(f"--sizes for {args.model}: {sorted(spec.sizes)}")
     bench.import_comfy(args.device)
     import comfy.model_management
 
@@ -96,50 +147,39 @@ def main(argv=None) -> int:
     from lowbit.nodes.model_quant import quantize_model
     from lowbit.quant.policy import Policy
 
-    if args.model == "wan":
-        import comfy.ldm.wan.model as wan_model
-
-        sizes, build, stock_class = SIZES, one_block_wan, wan_model.WanFeedForward
-        mlp_of = lambda model: model.model.diffusion_model.blocks[0].ffn  # noqa: E731
-    else:
-        import comfy.ldm.minimax.model as minimax_model
-
-        sizes, build, stock_class = MINIMAX_SIZES, one_block_minimax, minimax_model.MLP
-        mlp_of = lambda model: model.model.diffusion_model.blocks[0].mlp  # noqa: E731
-    chosen = args.sizes or (["1.3b", "14b"] if args.model == "wan" else ["h3"])
-    if any(size not in sizes for size in chosen):
-        p.error(f"--sizes for {args.model}: {sorted(sizes)}")
+    stock_class = spec.stock_class() if spec.stock_class else None
     device = torch.device(args.device)
     rows = []
     for size in chosen:
-        dim, ffn_dim, heads = sizes[size]
-        float_model = build(dim, ffn_dim, heads, device)
+        dim, ffn_dim, heads = spec.sizes[size]
+        float_model = spec.build(dim, ffn_dim, heads, device)
         quantized = {"lowbit": quantize_model(float_model, Policy(mode=args.mode))}
         if args.unfused:
             quantized["lowbit_unfused"] = quantize_model(float_model, Policy(mode=args.mode), fuse_inputs=False)
         comfy.model_management.load_models_gpu([float_model, *quantized.values()])
-        float_mlp = mlp_of(float_model)
+        float_mlp = spec.mlp(float_model.model.diffusion_model)
         for tokens in args.tokens:
-            lead = (1, tokens) if args.model == "wan" else (tokens,)  # MiniMax's blocks run on [tokens, hidden]
-            x = torch.randn(*lead, dim, device=device, dtype=float_mlp.fc1.weight.dtype if args.model == "minimax"
-                            else float_mlp[0].weight.dtype, generator=torch.Generator(device=device).manual_seed(tokens))
+            x = torch.randn(*spec.rows(tokens), dim, device=device, dtype=spec.first_weight(float_mlp).dtype,
+                            generator=torch.Generator(device=device).manual_seed(tokens))
             row = {"model": args.model, "size": size, "dim": dim, "ffn_dim": ffn_dim, "tokens": tokens,
                    "mode": args.mode}
             with torch.no_grad():
                 ref = float_mlp(x).float()
                 row["bf16_us"] = timed(lambda: float_mlp(x), device, args.iters)
-                runs = [("stock_fused", quantized["lowbit"], stock_class), ("lowbit", quantized["lowbit"], None)]
+                runs = [("stock_fused", quantized["lowbit"], stock_class)] if stock_class else []
+                runs += [("lowbit", quantized["lowbit"], None)]
                 runs += [("lowbit_unfused", quantized["lowbit_unfused"], None)] if args.unfused else []
                 for name, model, cls in runs:
-                    mlp = mlp_of(model)
-                    routed = type(mlp)
-                    assert getattr(routed, ROUTED_ATTR, False), "the quantized model's MLP is not routed"
-                    mlp.__class__ = cls or routed
+                    mlp = spec.mlp(model.model.diffusion_model)
+                    own = type(mlp)
+                    if stock_class:
+                        assert getattr(own, ROUTED_ATTR, False), "the quantized model's MLP is not routed"
+                    mlp.__class__ = cls or own
                     try:
                         out = mlp(x).float()
                         row[f"{name}_us"] = timed(lambda: mlp(x), device, args.iters)
                     finally:
-                        mlp.__class__ = routed
+                        mlp.__class__ = own
                     row[f"{name}_err"] = float((out - ref).norm() / ref.norm())
                     row[f"{name}_x_bf16"] = row["bf16_us"] / row[f"{name}_us"]
             rows.append(row)
