@@ -39,8 +39,33 @@ class PrologueError(ValueError):
     """Sources that do not describe a prologue input (shapes, dtypes or devices that disagree)."""
 
 
+class _AfterInput:
+    """What the prologues ``[a | f(source)]`` share: ``a`` (optional, 2-D) is copied in front of the computed
+    columns. A subclass gives ``source``, ``a``, ``_width`` (the computed columns) and ``_compute(out)``."""
+
+    def _check_a(self):
+        src = self.source
+        if self.a is not None and (self.a.dim() != 2 or self.a.shape[0] != src.shape[0]
+                                   or self.a.dtype != src.dtype or self.a.device != src.device):
+            raise PrologueError(f"a must be 2-D with the same rows, dtype and device as the source, got "
+                                f"{(tuple(self.a.shape), self.a.dtype)} and {(tuple(src.shape), src.dtype)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.source.shape[0], self._width + (0 if self.a is None else self.a.shape[1])
+
+    def materialize(self) -> torch.Tensor:
+        if self.a is None:
+            return self._compute(None)
+        out = self.source.new_empty(self.shape)
+        ka = self.a.shape[1]
+        out[:, :ka] = self.a
+        self._compute(out[:, ka:])
+        return out
+
+
 @dataclass(frozen=True, eq=False)
-class GeluPrologue:
+class GeluPrologue(_AfterInput):
     """``cat([a, gelu(b, approximate)], -1)`` (``gelu(b)`` when ``a`` is None); 2-D sources, unit column stride."""
 
     b: torch.Tensor
@@ -50,33 +75,26 @@ class GeluPrologue:
     def __post_init__(self):
         if self.approximate not in GELU_APPROXIMATIONS:
             raise PrologueError(f"GELU approximate={self.approximate!r} is not one of {GELU_APPROXIMATIONS}")
-        if self.b.dim() != 2 or (self.a is not None and (
-                self.a.dim() != 2 or self.a.shape[0] != self.b.shape[0] or self.a.dtype != self.b.dtype
-                or self.a.device != self.b.device)):
-            raise PrologueError(f"a and b must be 2-D with the same rows, dtype and device, got "
-                                f"{None if self.a is None else (tuple(self.a.shape), self.a.dtype)} and "
-                                f"{(tuple(self.b.shape), self.b.dtype)}")
+        if self.b.dim() != 2:
+            raise PrologueError(f"b must be 2-D, got {tuple(self.b.shape)}")
+        self._check_a()
 
     @property
     def source(self) -> torch.Tensor:
         return self.b
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.b.shape[0], self.b.shape[1] + (0 if self.a is None else self.a.shape[1])
+    def _width(self) -> int:
+        return self.b.shape[1]
 
-    def materialize(self) -> torch.Tensor:
-        if self.a is None:
+    def _compute(self, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
             return F.gelu(self.b, approximate=self.approximate)
-        out = self.b.new_empty(self.shape)
-        ka = self.a.shape[1]
-        out[:, :ka] = self.a
-        torch._C._nn.gelu(self.b, approximate=self.approximate, out=out[:, ka:])
-        return out
+        return torch._C._nn.gelu(self.b, approximate=self.approximate, out=out)
 
 
 @dataclass(frozen=True, eq=False)
-class SwigluPrologue:
+class SwigluPrologue(_AfterInput):
     """``cat([a, silu(x[:, :H]) * x[:, H:]], -1)`` of ``x`` ``[M, 2H]`` (``silu(..) * ..`` alone when ``a`` is
     None): a gated MLP's hidden state before its down-projection, the gate first (ComfyUI's ``"swiglu"``, and
     Flux 2's ``SiLUActivation``); 2-D sources, unit column stride."""
@@ -87,28 +105,21 @@ class SwigluPrologue:
     def __post_init__(self):
         if self.x.dim() != 2 or self.x.shape[1] % 2 or self.x.shape[1] == 0:
             raise PrologueError(f"x must be 2-D [M, 2H] (gate, then up), got {tuple(self.x.shape)}")
-        if self.a is not None and (self.a.dim() != 2 or self.a.shape[0] != self.x.shape[0]
-                                   or self.a.dtype != self.x.dtype or self.a.device != self.x.device):
-            raise PrologueError(f"a must be 2-D with x's rows, dtype and device, got {tuple(self.a.shape)} "
-                                f"{self.a.dtype} and {tuple(self.x.shape)} {self.x.dtype}")
+        self._check_a()
 
     @property
     def source(self) -> torch.Tensor:
         return self.x
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.x.shape[0], self.x.shape[1] // 2 + (0 if self.a is None else self.a.shape[1])
+    def _width(self) -> int:
+        return self.x.shape[1] // 2
 
-    def materialize(self) -> torch.Tensor:
+    def _compute(self, out: torch.Tensor | None) -> torch.Tensor:
         gate, up = self.x.chunk(2, dim=-1)
-        if self.a is None:
+        if out is None:
             return F.silu(gate).mul_(up)  # ComfyUI's eager form: the SiLU stored, then the product in place
-        out = self.x.new_empty(self.shape)
-        ka = self.a.shape[1]
-        out[:, :ka] = self.a
-        torch.mul(F.silu(gate), up, out=out[:, ka:])
-        return out
+        return torch.mul(F.silu(gate), up, out=out)
 
 
 @dataclass(frozen=True, eq=False)
