@@ -83,7 +83,7 @@ class LowBitOpsConfig:
     ``backend``: one of :data:`KERNEL_BACKENDS`. ``dequantize_formats``: ``comfy_quant`` format
     strings (``"float8_e4m3fn"``...) that run as dequantized weight × float activation on this
     hardware, ComfyUI's ``disabled`` list (see :func:`default_dequantize_formats`). ``fuse_inputs``:
-    the model's GELUs and affine-free LayerNorms hand their outputs to the next LowBit linear
+    the model's GELUs, SwiGLUs and affine-free LayerNorms hand their outputs to the next LowBit linear
     uncomputed, which computes them inside its activation quantization (:func:`install_input_fusion`).
     """
 

@@ -366,7 +366,7 @@ def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype 
 
     ``pre_quant_scales``: layers stored smoothed with a ``pre_quant_scale``; ``outlier_channels``:
     ``fp8_rowwise`` layers quantized with their calibrated outlier channels (both as
-    :func:`quantize_in_place`). ``fuse_inputs``: ``LowBitOpsConfig.fuse_inputs`` (the norms and GELUs
+    :func:`quantize_in_place`). ``fuse_inputs``: ``LowBitOpsConfig.fuse_inputs`` (the norms, GELUs and SwiGLUs
     feeding quantized linears computed inside their activation quantization)."""
     diffusion_model_of(model_patcher)
     plan = plan_for(model_patcher, policy)
