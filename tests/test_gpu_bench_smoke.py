@@ -281,6 +281,28 @@ def test_mlp_bench_times_stock_routed_and_unfused_int8_mlps(tmp_path, model):
             assert math.isclose(row["lowbit_err"], row["stock_fused_err"], rel_tol=0.05)
 
 
+def test_flux2_step_bench_times_fused_and_unfused_modes_against_bf16(tmp_path):
+    """``bench_flux2_step.py``: a tiny Flux 2 built by ComfyUI's loader, bf16 and a format with and without its
+    inputs fused; on the CPU both compute the inputs as written, so their outputs agree; a mode with an unknown
+    flag is refused before anything is built."""
+    out = tmp_path / "flux2.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(GPU_DIR / "bench_flux2_step.py"), "--size", "tiny", "--device", "cpu", "--iters", "1"]
+    modes = ["int8_convrot", "int8_convrot+unfused", "int8_convrot+noswiglu"]
+    proc = subprocess.run(cmd + ["--modes", *modes, "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["bf16", *modes]
+    assert all(math.isfinite(r["step_s"]) and r["step_s"] > 0 for r in rows.values())
+    assert 0 < rows["int8_convrot"]["rel_err"] < 0.05
+    assert rows["int8_convrot+unfused"]["rel_err"] == rows["int8_convrot+noswiglu"]["rel_err"] == \
+        rows["int8_convrot"]["rel_err"]
+    proc = subprocess.run(cmd + ["--modes", "int8_convrot+attn"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 2 and "optionally +unfused or +noswiglu" in proc.stderr
+
+
 def test_wan_step_bench_runs_stock_and_lowbit_modes_on_the_same_weights(tmp_path):
     """``bench_wan_step.py``: stock ComfyUI's native ``int8_convrot`` and LowBit's, on the same random Wan; on the
     CPU both run kitchen's eager INT8 numerics, so their errors against bf16 agree; 4-bit is further off."""

@@ -1,0 +1,120 @@
+"""A Flux.2 step in real ComfyUI (random weights): bf16 against LowBit's formats, its SwiGLUs fused or not.
+
+Usage (from the repository root)::
+
+  python tests/gpu/bench_flux2_step.py --size klein4b --modes int8_convrot int8_convrot+unfused --out r.json
+  python tests/gpu/bench_flux2_step.py --size tiny --device cpu --iters 1   # CPU smoke run
+
+A Flux.2 model of the chosen size (ComfyUI's ``Flux2``, built from a random bf16 state dict by ComfyUI's own
+loader: matrices N(0, 1 / fan-in), norm scales 1, other vectors N(0, 0.02^2)) is run at 1024x1024 (a 64x64
+latent of 128 channels: 4096 image tokens) with 512 text tokens, batch 1, eager. Per mode: the median time of
+one diffusion-model forward (every model resident; ``--rounds`` rounds over the modes in turn, each timing
+``--iters`` steps: the median of the rounds' medians), its speed-up over bf16 measured in the same run, and its
+output's relative error against bf16's. A mode is a format, quantized by Quantize Model's core with the preset ComfyUI's model picks;
+``+unfused`` quantizes with ``fuse_inputs=False`` (the norms and SwiGLUs computed as written instead of inside
+the activation quantization: an A/B of that fusion); ``+noswiglu`` fuses the norms only (the SwiGLUs' share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from unittest import mock
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "comfy"))  # comfy_helpers: TINY_FLUX2, random_weights
+import bench_flux_step as bench  # noqa: E402
+
+#: hidden width, heads of 128, double and single blocks, text width (klein 4B: Qwen3 4B's three layers), latent
+#: side (tokens per side), text tokens
+SIZES = {
+    "klein4b": dict(hidden_size=3072, num_heads=24, depth=5, depth_single_blocks=20, context_in_dim=7680, side=64,
+                    txt=512),
+    "tiny": dict(hidden_size=256, num_heads=2, depth=1, depth_single_blocks=1, context_in_dim=64, side=8, txt=16),
+}
+
+
+def build(size: str, device: torch.device):
+    import comfy.ldm.flux.model as flux_model
+    import comfy.ops
+    import comfy.sd
+    from comfy_helpers import TINY_FLUX2, random_weights
+
+    s = SIZES[size]
+    config = dict(TINY_FLUX2, guidance_embed=False,
+                  **{k: s[k] for k in ("hidden_size", "num_heads", "depth", "depth_single_blocks", "context_in_dim")})
+    sd = random_weights(lambda: flux_model.Flux(**config, device="meta", operations=comfy.ops.disable_weight_init),
+                        device=device)
+    for key, value in sd.items():
+        if key.endswith(("norm.scale", "norm.weight")):
+            sd[key] = torch.ones_like(value)
+    return comfy.sd.load_diffusion_model_state_dict(sd)
+
+
+def inputs(size: str, device: torch.device, dtype: torch.dtype, seed: int = 1):
+    """Latent, timestep, text context (and no pooled vector or guidance: klein has neither) in the model's dtype."""
+    s = SIZES[size]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(1, 128, s["side"], s["side"], generator=gen, device=device).to(dtype)
+    ctx = torch.randn(1, s["txt"], s["context_in_dim"], generator=gen, device=device).to(dtype)
+    return x, torch.full((1,), 0.5, device=device, dtype=dtype), ctx, None, None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="klein4b")
+    p.add_argument("--modes", nargs="+", default=["int8_convrot", "int8_convrot+unfused"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per mode and round (their median)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over every mode, in turn (the median of rounds)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    for mode in args.modes:
+        if mode.split("+")[1:] not in ([], ["unfused"], ["noswiglu"]):
+            p.error(f"a mode is a format, optionally +unfused or +noswiglu; got {mode!r}")
+    bench.import_comfy(args.device)
+    import comfy.model_management
+
+    from lowbit.nodes import comfy_ops
+    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.quant.policy import Policy
+
+    device = torch.device(args.device)
+    base = build(args.size, device)
+    step_args = inputs(args.size, device, base.model.get_dtype())  # bf16 on a GPU (fp32 on the CPU)
+    models = {"bf16": base}
+    for mode in args.modes:
+        fmt, *flags = mode.split("+")
+        with mock.patch.object(comfy_ops, "_swiglu_activation_class", lambda: None) if "noswiglu" in flags \
+                else contextlib.nullcontext():  # +noswiglu: Flux 2's SiLUActivation modules keep their own class
+            models[mode] = quantize_model(base, Policy(mode=fmt), fuse_inputs="unfused" not in flags)
+    comfy.model_management.load_models_gpu(list(models.values()))  # all resident: the rounds take turns
+    times = {mode: [] for mode in models}
+    outputs = {}
+    for _ in range(args.rounds):  # every mode once a round, in turn: a slow phase of the machine hits all alike
+        for mode, model in models.items():
+            step_s, outputs[mode] = bench.step_time(model.model.diffusion_model, step_args, device, args.iters)
+            times[mode].append(step_s)
+    bf16_s = statistics.median(times["bf16"])
+    rows = []
+    for mode in models:
+        step_s = statistics.median(times[mode])
+        rows.append({"mode": mode, "step_s": step_s, "rounds_s": times[mode], "speedup": bf16_s / step_s,
+                     "rel_err": bench.rel_err(outputs[mode], outputs["bf16"])})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        report = {"size": args.size, **SIZES[args.size], "device": torch.cuda.get_device_name(device)
+                  if device.type == "cuda" else "cpu", "torch": torch.__version__, "rows": rows}
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
