@@ -3,8 +3,9 @@
 A steady-state plan (``w8a8_linear._TritonW8A8Plan``, ``w4_linear``'s Triton plans) serves every layer
 of its format and shapes. Per kind of input – a tensor of ``M`` rows and row stride, or a prologue
 (``kernels/prologue.py``) of ``M`` rows with its GELU approximation or norm epsilon and batch rows, or a
-SwiGLU of ``M`` rows – :class:`PlanReplays` runs the first call as usual (it may compile a kernel, or check a variant
-against another), records the launches of the second, and replays them from the third call on.
+SwiGLU of ``M`` rows – :class:`PlanReplays` runs the first call as usual (it may compile a kernel, or
+check a variant against another), records the launches of the second, and replays them from the third
+call on.
 """
 
 from __future__ import annotations

@@ -684,8 +684,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
 
     Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation`` (where
     ComfyUI has it) and of every LayerNorm without weights whose class computes plain ``F.layer_norm``
-    (torch's, ComfyUI's ops) to a per-model subclass (``classes``:
-    the caller's per-model cache; nothing global changes). Their outputs become deferred inputs
+    (torch's, ComfyUI's ops) to a per-model subclass (``classes``: the caller's per-model cache; nothing
+    global changes). Their outputs become deferred inputs
     (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation
     quantization; anything else gets the computed tensor. Subclasses with forwards of their own
     (e.g. a norm that upcasts) are left alone. Returns how many modules were swapped (0 on a second call).
