@@ -307,14 +307,15 @@ def verify(device: torch.device) -> list[str]:
     # the prologues against the same kernel on the materialized input (torch's GELU, SiLU, layer_norm, addcmul):
     # the last bit of tanh, of the SiLU's exponential or of the row variance may move a value to the
     # neighbouring bf16, and its code a step (MiniMax H3's MLP: 14336 = 56 x 256; Flux 2 dev's linear2: 6144 +
-    # 18432 = 24576)
+    # 18432 = 24576; Z-Image's w2: 10240)
     for m, k, rotation, group, fp8, batches, kind in [
             (4096, 3072, "none", 0, True, 1, "norm"), (4608, 3072, "regular", 256, False, 1, "norm"),
             (600, 3072, "sylvester", 128, False, 2, "norm"), (77, 5000, "none", 0, False, 1, "norm"),
             (4608, 15360, "regular", 256, False, 1, "gelu"), (300, 15360, "none", 0, True, 1, "gelu"),
             (4096, 14336, "regular", 256, False, 1, "swiglu"), (300, 14336, "none", 0, True, 1, "swiglu"),
             (77, 5000, "none", 0, False, 1, "swiglu"), (4096, 24576, "regular", 256, False, 1, "cat_swiglu"),
-            (300, 12288, "none", 0, True, 1, "cat_swiglu")]:
+            (300, 12288, "none", 0, True, 1, "cat_swiglu"), (4096, 10240, "regular", 256, False, 1, "swiglu_pair"),
+            (300, 10240, "none", 0, True, 1, "swiglu_pair"), (77, 5000, "none", 0, False, 1, "swiglu_pair")]:
         dt, qmax = (FP8, 448.0) if fp8 else (torch.int8, 127.0)
         if kind == "gelu":
             wide = (torch.randn(m, 9216 + k - 3072, device=device) * 2).to(torch.bfloat16)
@@ -325,6 +326,9 @@ def verify(device: torch.device) -> list[str]:
             ka = k // 4
             wide = (torch.randn(m, 3 * ka + 2 * (k - ka), device=device) * 3).to(torch.bfloat16)
             p = SwigluPrologue(wide[:, 3 * ka:], (torch.randn(m, ka, device=device) * 2).to(torch.bfloat16))
+        elif kind == "swiglu_pair":  # Z-Image's w2(silu(w1(x)) * w3(x)): the up half a tensor of its own
+            gate, up = ((torch.randn(m, k, device=device) * 3).to(torch.bfloat16) for _ in range(2))
+            p = SwigluPrologue(gate, up=up)
         else:
             x = (torch.randn(m, k, device=device) * 3 + 0.5).to(torch.bfloat16)
             mult = (1 + 0.3 * torch.randn(batches, k, device=device)).to(torch.bfloat16)

@@ -11,8 +11,9 @@ intermediate is never stored.
 
 * :class:`GeluPrologue` - ``[a | gelu(b)]`` (``a`` may be absent): ``a`` ``[M, Ka]``, ``b`` ``[M, Kb]``.
 * :class:`SwigluPrologue` - ``[a | silu(gate) * up]`` of ``x = [gate | up]`` ``[M, 2H]`` (the gate first, as
-  ComfyUI's ``comfy.ops.INPUT_ACT_EAGER["swiglu"]`` and Flux 2's ``SiLUActivation`` split it; ``a`` may be
-  absent).
+  ComfyUI's ``comfy.ops.INPUT_ACT_EAGER["swiglu"]`` and Flux 2's ``SiLUActivation`` split it), or of a gate
+  ``x`` ``[M, H]`` and an ``up`` ``[M, H]`` given apart (a gated MLP written as two linears, Lumina 2's and
+  Z-Image's ``w2(silu(w1(x)) * w3(x))``); ``a`` may be absent.
 * :class:`NormModPrologue` - ``shift + layer_norm(x) * mult`` (no affine weights, as the DiT blocks
   use it; ``mult`` and ``shift`` may be absent): ``x`` ``[M, K]``, ``mult``/``shift`` one row of ``K``
   values per batch element, each batch element ``rows_per_batch`` consecutive rows of ``x``.
@@ -95,16 +96,23 @@ class GeluPrologue(_AfterInput):
 
 @dataclass(frozen=True, eq=False)
 class SwigluPrologue(_AfterInput):
-    """``cat([a, silu(x[:, :H]) * x[:, H:]], -1)`` of ``x`` ``[M, 2H]`` (``silu(..) * ..`` alone when ``a`` is
-    None): a gated MLP's hidden state before its down-projection, the gate first (ComfyUI's ``"swiglu"``, and
-    Flux 2's ``SiLUActivation``); 2-D sources, unit column stride."""
+    """``cat([a, silu(gate) * up], -1)`` (``silu(..) * ..`` alone when ``a`` is None): a gated MLP's hidden state
+    before its down-projection. The gate and up halves are ``x`` ``[M, 2H]``, the gate first (ComfyUI's
+    ``"swiglu"``, and Flux 2's ``SiLUActivation``), or, with ``up`` given, ``x`` is the gate ``[M, H]`` and ``up``
+    ``[M, H]`` (two linears' outputs, Lumina 2's and Z-Image's ``FeedForward``); 2-D sources, unit column stride."""
 
     x: torch.Tensor
     a: torch.Tensor | None = None
+    up: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.x.dim() != 2 or self.x.shape[1] % 2 or self.x.shape[1] == 0:
-            raise PrologueError(f"x must be 2-D [M, 2H] (gate, then up), got {tuple(self.x.shape)}")
+        if self.up is None:
+            if self.x.dim() != 2 or self.x.shape[1] % 2 or self.x.shape[1] == 0:
+                raise PrologueError(f"x must be 2-D [M, 2H] (gate, then up), got {tuple(self.x.shape)}")
+        elif (self.x.dim() != 2 or self.x.shape[1] == 0 or self.up.shape != self.x.shape
+              or self.up.dtype != self.x.dtype or self.up.device != self.x.device):
+            raise PrologueError(f"the gate and up must be 2-D [M, H] of one dtype and device, got "
+                                f"{(tuple(self.x.shape), self.x.dtype)} and {(tuple(self.up.shape), self.up.dtype)}")
         self._check_a()
 
     @property
@@ -113,10 +121,13 @@ class SwigluPrologue(_AfterInput):
 
     @property
     def _width(self) -> int:
-        return self.x.shape[1] // 2
+        return self.x.shape[1] if self.up is not None else self.x.shape[1] // 2
+
+    def gate_and_up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x.chunk(2, dim=-1) if self.up is None else (self.x, self.up)
 
     def _compute(self, out: torch.Tensor | None) -> torch.Tensor:
-        gate, up = self.x.chunk(2, dim=-1)
+        gate, up = self.gate_and_up()
         if out is None:
             return F.silu(gate).mul_(up)  # ComfyUI's eager form: the SiLU stored, then the product in place
         return torch.mul(F.silu(gate), up, out=out)

@@ -311,9 +311,11 @@ def _prologue_arguments(prologue, unused: torch.Tensor) -> tuple[tuple, dict]:
     if isinstance(prologue, (GeluPrologue, SwigluPrologue)):  # [a | gelu(b)] or [a | silu(gate) * up]
         a = _unit_columns(prologue.a)
         gelu = isinstance(prologue, GeluPrologue)
-        return ((unused if a is None else a, unused, 0 if a is None else a.shape[1], 0 if a is None else a.stride(0),
-                 1, 0, 0, 0.0),
-                dict(PROLOGUE=1 if gelu else 3, APPROX=GELU_APPROXIMATIONS[prologue.approximate] if gelu else 0,
+        up = None if gelu else _unit_columns(prologue.up)  # a SwiGLU's up given apart: the shift slot (PROLOGUE 4)
+        return ((unused if a is None else a, unused if up is None else up, 0 if a is None else a.shape[1],
+                 0 if a is None else a.stride(0), 1, 0, 0 if up is None else up.stride(0), 0.0),
+                dict(PROLOGUE=1 if gelu else 3 if up is None else 4,
+                     APPROX=GELU_APPROXIMATIONS[prologue.approximate] if gelu else 0,
                      HAS_A=a is not None, HAS_MULT=False, HAS_SHIFT=False, SRC_ROUND=_src_rounding(prologue.source)))
     mult, shift = _unit_columns(prologue.mult), _unit_columns(prologue.shift)
 

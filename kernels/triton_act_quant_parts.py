@@ -180,18 +180,22 @@ def _prologue_rows(x_ptr, aux_ptr, shift_ptr, rows, cols, row_ok, K, KA, stride_
     both one row per batch element of ``rows_per_batch`` rows (batch strides ``stride_mb``/``stride_sb``,
     0 for a single row shared by all).
     PROLOGUE 3 (``[a | silu(gate) * up]``): ``x_ptr`` is ``[gate | up]`` (``2 (K - KA)`` columns), ``aux_ptr``
-    is ``a`` (``KA``)."""
+    is ``a`` (``KA``). PROLOGUE 4: the same with the gate at ``x_ptr`` and ``up`` at ``shift_ptr`` (row stride
+    ``stride_sb``), ``K - KA`` columns each."""
     col_ok = cols < K
     mask = row_ok[:, None] & col_ok[None, :]
     row_off = rows[:, None].to(tl.int64)
-    if PROLOGUE == 1 or PROLOGUE == 3:
+    if PROLOGUE == 1 or PROLOGUE == 3 or PROLOGUE == 4:
         in_b = (cols >= KA) & col_ok
         b_mask = row_ok[:, None] & in_b[None, :]
         xb = tl.load(x_ptr + row_off * stride_xm + (cols - KA)[None, :], mask=b_mask, other=0.0).to(tl.float32)
         if PROLOGUE == 1:
             x = _round_to_src(_gelu(xb, APPROX), SRC_ROUND)
-        else:  # xb is the gate; the up half starts K - KA columns on
-            up = tl.load(x_ptr + row_off * stride_xm + (K - 2 * KA + cols)[None, :], mask=b_mask, other=0.0)
+        else:  # xb is the gate; the up half starts K - KA columns on (3), or is a tensor of its own (4)
+            if PROLOGUE == 3:
+                up = tl.load(x_ptr + row_off * stride_xm + (K - 2 * KA + cols)[None, :], mask=b_mask, other=0.0)
+            else:
+                up = tl.load(shift_ptr + row_off * stride_sb + (cols - KA)[None, :], mask=b_mask, other=0.0)
             # torch's SiLU, x / (1 + e^-x); e^80 keeps the exponential finite where the quotient is 0 already
             silu = _round_to_src(xb / (1.0 + tl.exp(tl.minimum(-xb, 80.0))), SRC_ROUND)
             x = _round_to_src(silu * up.to(tl.float32), SRC_ROUND)

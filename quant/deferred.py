@@ -7,7 +7,8 @@ decides the order of ops, so the fusion has to be arranged without changing that
 * the model's ``nn.GELU`` modules and its affine-free LayerNorms return a :class:`DeferredInput`
   (``defer_gelu`` / ``defer_layer_norm``): a tensor subclass with the output's shape, dtype and device
   that holds only a recipe (``kernels/prologue.py``); so do Flux 2's ``SiLUActivation`` modules and the
-  SwiGLU of ComfyUI's fused ``linear_input_act`` calls on a LowBit layer (``defer_swiglu``);
+  SwiGLU of ComfyUI's fused ``linear_input_act`` calls on a LowBit layer (``defer_swiglu``), and the gating of
+  Lumina 2's and Z-Image's ``FeedForward`` (``defer_swiglu_pair``: the gate and up are two linears' outputs);
 * two follow-up ops extend the recipe instead of running: ``torch.cat((a, gelu), -1)`` (Flux's single
   blocks; Flux 2's with its SwiGLU) and ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation,
   ComfyUI's ``apply_mod``);
@@ -134,6 +135,15 @@ def defer_swiglu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate).mul_(up)
 
 
+def defer_swiglu_pair(gate: torch.Tensor, up: torch.Tensor) -> DeferredInput | None:
+    """``silu(gate) * up`` of two tensors of one shape (a gated MLP written as two linears: Lumina 2's and
+    Z-Image's ``FeedForward``), deferred; ``None`` where it cannot be (the caller computes it its own way)."""
+    if (type(up) is not torch.Tensor or not can_defer(gate) or up.shape != gate.shape or up.dtype != gate.dtype
+            or up.device != gate.device):
+        return None
+    return DeferredInput(SwigluPrologue(_rows(gate), up=_rows(up)), gate.shape[:-1])
+
+
 def defer_layer_norm(x: torch.Tensor, eps: float) -> DeferredInput | None:
     """``layer_norm(x)`` over the last dim without affine weights, deferred; ``None`` where it cannot be."""
     if not can_defer(x):
@@ -198,4 +208,5 @@ def _deferred_addcmul(shift, tensor1, tensor2, *, value=1, out=None):
     return DeferredInput(NormModPrologue.checked_by_caller(p.x, p.eps, mult, add, rows_per_batch), lead)
 
 
-__all__ = ["DeferredInput", "can_defer", "defer_gelu", "defer_layer_norm", "defer_swiglu", "materialize"]
+__all__ = ["DeferredInput", "can_defer", "defer_gelu", "defer_layer_norm", "defer_swiglu", "defer_swiglu_pair",
+           "materialize"]

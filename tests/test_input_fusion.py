@@ -5,7 +5,8 @@
   INT8 and e4m3, every rotation and HadaNorm's smoothing and centring, one or two batch elements,
   fp16 and bf16; the GELU prologue the same with a rotation; the SwiGLU prologue (``silu(gate) * up``,
   ComfyUI's eager form) the same, rotated or not, INT8 and e4m3, bf16, fp16 and fp32, with gates far
-  enough below zero that the SiLU's exponential overflows, and after an attention output (Flux 2).
+  enough below zero that the SiLU's exponential overflows, after an attention output (Flux 2), and with the
+  gate and up given apart (Lumina 2's and Z-Image's two linears).
 * A ``DeferredInput`` answers shape, dtype and device without computing anything; ``cat`` with a
   deferred GELU and ``addcmul`` of a deferred norm extend the recipe; every other op (in place ones
   included) sees the materialized tensor, equal to what torch computes without deferral.
@@ -30,7 +31,7 @@ from lowbit.kernels.gemm_config import default_config
 from lowbit.kernels.prologue import GeluPrologue, NormModPrologue, PrologueError, SwigluPrologue
 from lowbit.kernels.reference import FP8, FP8_MAX, INT8_MAX
 from lowbit.kernels.triton_act_quant import act_quant_triton
-from lowbit.quant.deferred import DeferredInput, defer_gelu, defer_layer_norm, defer_swiglu
+from lowbit.quant.deferred import DeferredInput, defer_gelu, defer_layer_norm, defer_swiglu, defer_swiglu_pair
 from lowbit.quant.formats import FORMATS
 
 K = 256
@@ -133,6 +134,28 @@ def test_swiglu_prologue_after_an_attention_output(code):
 
 
 @interpreter
+@pytest.mark.parametrize("code,rotation,group,dtype", [("int8", "none", 0, torch.bfloat16),
+                                                       ("int8", "regular", 256, torch.bfloat16),
+                                                       ("fp8", "regular", 256, torch.bfloat16),
+                                                       ("fp8", "none", 0, torch.float16),
+                                                       ("int8", "none", 0, torch.float32)])
+def test_swiglu_prologue_of_a_gate_and_up_given_apart(code, rotation, group, dtype):
+    """Lumina 2's and Z-Image's ``silu(w1(x)) * w3(x)``: the up half a tensor of its own (here a column slice of a
+    wider one, so the two sources have different row strides)."""
+    out_dtype, qmax = (torch.int8, INT8_MAX) if code == "int8" else (FP8, FP8_MAX)
+    gate = _gate_up(6, K, dtype, seed=17)[:, :K].contiguous()  # gates with e^-gate beyond fp32's range
+    up = randn(6, K + 48, seed=18, scale=2.0, dtype=dtype)[:, 48:]
+    prologue = SwigluPrologue(gate, up=up)
+    assert prologue.shape == (6, K)
+    materialized = prologue.materialize()
+    assert torch.equal(materialized, F.silu(gate) * up)  # Lumina's FeedForward gating outside fp16
+    q, s, _ = act_quant_triton(prologue, out_dtype, qmax, rotation, group, None, False)
+    qr, sr, _ = act_quant_triton(materialized, out_dtype, qmax, rotation, group, None, False, split="pow2")
+    assert torch.equal(q.float(), qr.float())
+    assert torch.allclose(s, sr, rtol=1e-6)
+
+
+@interpreter
 def test_prologues_refuse_sources_that_disagree():
     x = torch.zeros(6, K, dtype=torch.bfloat16)
     with pytest.raises(PrologueError, match="modulation rows"):
@@ -145,6 +168,10 @@ def test_prologues_refuse_sources_that_disagree():
         SwigluPrologue(torch.zeros(6, 7))  # no gate and up halves
     with pytest.raises(PrologueError, match="a must be"):
         SwigluPrologue(torch.zeros(6, 8), torch.zeros(5, 4))  # not x's rows
+    with pytest.raises(PrologueError, match="gate and up"):
+        SwigluPrologue(torch.zeros(6, 8), up=torch.zeros(6, 16))  # the up half wider than the gate
+    with pytest.raises(PrologueError, match="gate and up"):
+        SwigluPrologue(torch.zeros(6, 8), up=torch.zeros(6, 8, dtype=torch.bfloat16))
 
 
 # ---- the deferred tensor ----------------------------------------------------------------------------
@@ -229,6 +256,23 @@ def test_deferred_swiglu_answers_metadata_and_computes_comfyuis_eager_form():
 
 
 @interpreter
+def test_deferred_swiglu_pair_answers_metadata_and_computes_the_gating():
+    gate = _gate_up(6, K, torch.bfloat16, seed=10)[:, :K].reshape(2, 3, K)
+    up = randn(2, 3, K, seed=11, dtype=torch.bfloat16)
+    h = defer_swiglu_pair(gate, up)
+    assert isinstance(h, DeferredInput) and isinstance(h.prologue, SwigluPrologue) and h.prologue.up is not None
+    assert h.shape == (2, 3, K) and h.dtype == torch.bfloat16 and h._value is None
+    expected = F.silu(gate) * up
+    assert torch.equal(h.materialize(), expected) and torch.equal(h - 1, expected - 1)
+    # what the act-quant kernel cannot take, or two tensors that are not one shape and dtype: not deferred
+    assert defer_swiglu_pair(gate, up[..., :-1]) is None
+    assert defer_swiglu_pair(gate, up.float()) is None
+    assert defer_swiglu_pair(gate, h) is None  # a deferred up
+    assert defer_swiglu_pair(randn(2, 1 << 16, seed=2, dtype=torch.bfloat16),
+                             randn(2, 1 << 16, seed=3, dtype=torch.bfloat16)) is None  # too wide
+
+
+@interpreter
 def test_inputs_that_cannot_be_deferred_are_computed(monkeypatch):
     x = randn(2, 3, K, seed=9, dtype=torch.bfloat16)
     assert type(defer_gelu(x, "tanh")) is DeferredInput
@@ -258,12 +302,13 @@ def _prologues(seed: int, device: torch.device = torch.device("cpu")):
             "norm": NormModPrologue(x, 1e-6, mult, shift, 3),
             "swiglu": SwigluPrologue(_gate_up(6, K, torch.bfloat16, seed=seed).to(device)),
             "cat_swiglu": SwigluPrologue(_gate_up(6, K - 64, torch.bfloat16, seed=seed).to(device),
-                                         attn.reshape(-1, K)[:, :64].to(device))}
+                                         attn.reshape(-1, K)[:, :64].to(device)),
+            "swiglu_pair": SwigluPrologue(mlp.reshape(-1, K), up=attn.reshape(-1, K))}
 
 
 @on_device
 @pytest.mark.parametrize("fmt", W8A8)
-@pytest.mark.parametrize("kind", ("gelu", "cat", "norm", "swiglu", "cat_swiglu"))
+@pytest.mark.parametrize("kind", ("gelu", "cat", "norm", "swiglu", "cat_swiglu", "swiglu_pair"))
 @pytest.mark.parametrize("decision", ("triton", "torch"))
 def test_prologue_linear_runs_the_settled_plan_and_gives_the_unfused_bits(fmt, kind, decision, monkeypatch):
     if decision == "torch" and DEVICE.type != "cuda":
@@ -314,7 +359,7 @@ def test_prologue_linear_declines_where_the_plan_does_not_take_our_codes(fmt):
 
 @on_device
 @pytest.mark.parametrize("fmt", ("w4a4", "w4a8"))
-@pytest.mark.parametrize("kind", ("cat", "norm", "swiglu", "cat_swiglu"))
+@pytest.mark.parametrize("kind", ("cat", "norm", "swiglu", "cat_swiglu", "swiglu_pair"))
 @pytest.mark.parametrize("decision", ("triton", "expand"))
 def test_4bit_prologue_linear_runs_the_settled_plan(fmt, kind, decision, monkeypatch):
     if decision == "expand" and fmt == "w4a4":
