@@ -50,7 +50,7 @@ from comfy_kitchen.tensor import QuantizedTensor
 
 from ..kernels.dispatch import current_dispatcher
 from ..quant.compiled_linear import quantized_linear
-from ..quant.deferred import DeferredInput, defer_gelu, defer_layer_norm, defer_swiglu
+from ..quant.deferred import DeferredInput, defer_gelu, defer_layer_norm, defer_swiglu, defer_swiglu_pair
 from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatError
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.layouts.base import form_prologue_linear, form_settled_linear
@@ -648,6 +648,37 @@ class DeferredSwiGLUMixin:
         return super().forward(x)
 
 
+class DeferredGatedFeedForwardMixin:
+    """Lumina 2's and Z-Image's ``FeedForward`` (``w2(silu(w1(x)) * w3(x))``) whose gating may hand ``w2`` a
+    deferred input (``quant/deferred.py``); in fp16, where ComfyUI clamps the product to fp16's range, the
+    class's own gating runs."""
+
+    def _forward_silu_gating(self, x1, x3):
+        if x1.dtype != torch.float16:
+            out = defer_swiglu_pair(x1, x3)
+            if out is not None:
+                return out
+        return super()._forward_silu_gating(x1, x3)
+
+
+@functools.lru_cache(maxsize=None)
+def _gated_feed_forward_class() -> type | None:
+    """ComfyUI's Lumina ``FeedForward`` (Lumina 2, Z-Image), where this ComfyUI has it and its
+    ``_forward_silu_gating(x1, x3)`` computes ``silu(x1) * x3`` outside fp16 (checked once on small tensors:
+    the deferral stands for exactly that)."""
+    try:
+        cls = importlib.import_module("comfy.ldm.lumina.model").FeedForward
+        gen = torch.Generator().manual_seed(0)
+        x1, x3 = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
+        with torch.no_grad():
+            ok = all(torch.equal(cls._forward_silu_gating(None, x1.to(dt), x3.to(dt)),
+                                 torch.nn.functional.silu(x1.to(dt)) * x3.to(dt))
+                     for dt in (torch.float32, torch.bfloat16))
+    except Exception:  # absent, or another signature: such modules keep their own gating
+        return None
+    return cls if ok else None
+
+
 @functools.lru_cache(maxsize=None)
 def _swiglu_activation_class() -> type | None:
     """ComfyUI's Flux 2 ``SiLUActivation``, where this ComfyUI has it and it computes ``silu(x1) * x2`` of
@@ -682,16 +713,16 @@ def _deferring_class(base: type, mixin: type, classes: dict[type, type]) -> type
 def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, type]) -> int:
     """Let the model's GELUs, SwiGLUs and affine-free LayerNorms hand their outputs to LowBit linears uncomputed.
 
-    Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation`` (where
-    ComfyUI has it) and of every LayerNorm without weights whose class computes plain ``F.layer_norm``
-    (torch's, ComfyUI's ops) to a per-model subclass (``classes``: the caller's per-model cache; nothing
-    global changes). Their outputs become deferred inputs
-    (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation
-    quantization; anything else gets the computed tensor. Subclasses with forwards of their own
+    Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation`` and Lumina
+    ``FeedForward`` (Lumina 2, Z-Image; where ComfyUI has them: the gating of the latter) and of every LayerNorm
+    without weights whose class computes plain ``F.layer_norm`` (torch's, ComfyUI's ops) to a per-model subclass
+    (``classes``: the caller's per-model cache; nothing global changes). Their outputs become deferred inputs
+    (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation quantization;
+    anything else gets the computed tensor. Subclasses with forwards of their own
     (e.g. a norm that upcasts) are left alone. Returns how many modules were swapped (0 on a second call).
     """
     norm_forwards = _layer_norm_forwards()
-    swiglu = _swiglu_activation_class()
+    swiglu, gated_ffn = _swiglu_activation_class(), _gated_feed_forward_class()
     swapped = 0
     for module in diffusion_model.modules():
         cls = type(module)
@@ -699,6 +730,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
             module.__class__ = _deferring_class(cls, DeferredGELUMixin, classes)
         elif swiglu is not None and cls is swiglu:
             module.__class__ = _deferring_class(cls, DeferredSwiGLUMixin, classes)
+        elif gated_ffn is not None and cls is gated_ffn:
+            module.__class__ = _deferring_class(cls, DeferredGatedFeedForwardMixin, classes)
         elif (isinstance(module, torch.nn.LayerNorm) and not isinstance(module, DeferredLayerNormMixin)
               and cls.forward in norm_forwards and module.weight is None and module.bias is None):
             module.__class__ = _deferring_class(cls, DeferredLayerNormMixin, classes)

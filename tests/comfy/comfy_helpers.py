@@ -15,6 +15,7 @@ different kernels and :func:`assert_matches_stock` says what holds there instead
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import importlib.util
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowbit.kernels import dispatch
+from lowbit.kernels import dispatch, triton_act_quant
 
 
 def comfyui_path() -> Path | None:
@@ -238,18 +239,65 @@ def tiny_flux2_bf16() -> dict[str, torch.Tensor]:
                                                             operations=comfy.ops.disable_weight_init))
 
 
-def run_flux2(model_patcher, seed: int = 0) -> torch.Tensor:
-    """One denoiser call of the tiny Flux 2 (an 8x8 latent, 16 text tokens), weights loaded first."""
+def _tiny_denoiser_call(model_patcher, channels: int, seed: int, extra_conds) -> torch.Tensor:
+    """One denoiser call on an 8x8 latent of ``channels`` with 16 text tokens of 64 (timestep 0.7), weights loaded
+    first; ``extra_conds(device)``: the model's other conditioning."""
     import comfy.model_management
 
     gen = torch.Generator().manual_seed(seed)
-    x, context = torch.randn(1, 128, 8, 8, generator=gen), torch.randn(1, 16, 64, generator=gen)
+    x, context = torch.randn(1, channels, 8, 8, generator=gen), torch.randn(1, 16, 64, generator=gen)
     comfy.model_management.load_models_gpu([model_patcher])
     dev = model_patcher.load_device
     with torch.no_grad():
-        out = model_patcher.model.apply_model(x.to(dev), torch.tensor([0.7], device=dev),
-                                              c_crossattn=context.to(dev), guidance=torch.tensor([3.5], device=dev))
+        out = model_patcher.model.apply_model(x.to(dev), torch.tensor([0.7], device=dev), c_crossattn=context.to(dev),
+                                              **extra_conds(dev))
     return out.float().cpu()
+
+
+def run_flux2(model_patcher, seed: int = 0) -> torch.Tensor:
+    """One denoiser call of the tiny Flux 2 (an 8x8 latent, 16 text tokens), weights loaded first."""
+    return _tiny_denoiser_call(model_patcher, 128, seed, lambda dev: {"guidance": torch.tensor([3.5], device=dev)})
+
+
+#: Z-Image's layout (its modulation, RoPE axes, 8/3 FFN) at width 256: two heads of 128, FFN 768 (w2's input a
+#: multiple of the ConvRot group); ComfyUI detects the Z-Image class by the width 3840, so it is a ``Lumina2`` here
+TINY_ZIMAGE = dict(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_layers=2, n_heads=2, n_kv_heads=2,
+                   multiple_of=256, ffn_dim_multiplier=8.0 / 3.0, norm_eps=1e-5, qk_norm=True, cap_feat_dim=64,
+                   axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0, z_image_modulation=True,
+                   time_scale=1000.0)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_zimage_bf16() -> dict[str, torch.Tensor]:
+    import comfy.ldm.lumina.model
+    import comfy.ops
+
+    return random_weights(lambda: comfy.ldm.lumina.model.NextDiT(**TINY_ZIMAGE, device="meta",
+                                                                 operations=comfy.ops.disable_weight_init))
+
+
+def load_tiny_zimage(state_dict: dict[str, torch.Tensor] | None = None):
+    """The tiny Z-Image (or ``state_dict``, a Lumina 2 family model), loaded by stock ComfyUI. ComfyUI's detection
+    reads the Lumina 2 family's width, layers and text width from the keys and fills in the rest for the two widths
+    it knows (2304, 3840); for the tiny width this fills in the tiny layout the same way, for this load only."""
+    import comfy.model_detection
+
+    real = comfy.model_detection.detect_unet_config
+
+    def detect(state_dict, key_prefix, *args, **kwargs):
+        config = real(state_dict, key_prefix, *args, **kwargs)
+        if config and config.get("image_model") == "lumina2" and config.get("dim") == TINY_ZIMAGE["dim"]:
+            config = {**TINY_ZIMAGE, **config}
+        return config
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(comfy.model_detection, "detect_unet_config", detect)
+        return load_stock(tiny_zimage_bf16() if state_dict is None else state_dict)
+
+
+def run_zimage(model_patcher, seed: int = 0) -> torch.Tensor:
+    """One denoiser call of the tiny Z-Image (an 8x8 latent, 16 text tokens), weights loaded first."""
+    return _tiny_denoiser_call(model_patcher, 16, seed, lambda dev: {"num_tokens": 16})
 
 
 def flux_runner(model_patcher, output_0: torch.Tensor | None = None):
@@ -397,3 +445,56 @@ class TritonFirst(dispatch.Dispatcher):
             return super().choose(key, candidates, device)
         self.decisions[key.as_str()] = name
         return name
+
+
+# ---- inputs computed inside the activation quantization ---------------------------------------------
+
+def fused_and_unfused(model, run, monkeypatch):
+    """``run(model)`` with every call computed as written, then twice with the fused plans settled: (unfused, the
+    first fused run, the second, a count of the second's prologue kinds, and per fused call (share of codes
+    differing from the same kernel on the computed input, all within a step, scale's relative difference,
+    centring mean's difference))."""
+    calls, differing = [], []
+    real = triton_act_quant.act_quant_triton
+
+    def spy(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
+        calls.append(x)
+        if not isinstance(x, torch.Tensor):  # the same kernel on the input ComfyUI's graph computes
+            ref = real(x.materialize(), *args, **{**kwargs, "split": "pow2"})
+            codes, ref_codes = out[0].float(), ref[0].float()
+            diff = (codes - ref_codes).abs()
+            # one INT8 step; e4m3: a step plus 2^-7 of the range (where shift + norm * mult nearly cancels,
+            # one bf16 step of the norm is a large share of the sum: kernels/gpu_checks.py)
+            step = 1.0 if out[0].dtype == torch.int8 else ref_codes.abs() * 0.125 + 448 * 2**-7
+            differing.append(((diff > 0).float().mean().item(), bool((diff <= step).all()),
+                              ((out[1] - ref[1]).abs() / ref[1]).max().item(),
+                              (out[2] - ref[2]).abs().max().item() if out[2].numel() else 0.0))
+        return out
+
+    monkeypatch.setattr(triton_act_quant, "act_quant_triton", spy)
+    with dispatch.use_dispatcher(TritonFirst(measure=False, fast=False)):  # no settled plans: all computed
+        unfused = run(model)
+    assert calls and all(isinstance(x, torch.Tensor) for x in calls)
+    with dispatch.use_dispatcher(TritonFirst(measure=False)):
+        first = run(model)  # settles the plans: each first call runs the fused plan it settled
+        calls.clear()
+        differing.clear()
+        fused = run(model)
+    kinds = collections.Counter(type(x).__name__ + ("+a" if getattr(x, "a", None) is not None else "")
+                                for x in calls if not isinstance(x, torch.Tensor))
+    return unfused, first, fused, kinds, differing
+
+
+def assert_fused_as_computed(float_output, unfused, first, fused, differing) -> None:
+    assert torch.equal(first, fused)  # the first run gives the bits of the next (a seed, the same image)
+    # every fused call: the codes of the input ComfyUI's own graph computes, but where the last bit of
+    # tanh, of the SiLU's exponential or of the row variance moves a value to the neighbouring bf16 (then its
+    # code moves one step)
+    for frac, within_a_step, scale_rel, mean_diff in differing:
+        assert frac < 1e-3 and within_a_step and scale_rel < 2**-7 and mean_diff < 1e-5
+    # the output: as accurate as the unfused run (this random model amplifies a moved code, so the two
+    # differ by more than the codes do)
+    assert torch.isfinite(fused).all()
+    quant_error = (unfused - float_output).pow(2).mean()
+    assert (fused - float_output).pow(2).mean() <= 1.1 * quant_error

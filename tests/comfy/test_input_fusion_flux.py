@@ -17,68 +17,18 @@ import collections
 import pytest
 import torch
 
-from comfy_helpers import TritonFirst, device, load_stock, require_comfy, run_flux, run_flux2, tiny_flux2_bf16
+from comfy_helpers import (TritonFirst, assert_fused_as_computed, device, fused_and_unfused, load_stock, require_comfy,
+                           run_flux, run_flux2, tiny_flux2_bf16)
 
 require_comfy()
 
 from kernels_helpers import needs_triton_interpreter  # noqa: E402
-from lowbit.kernels import dispatch, triton_act_quant  # noqa: E402
+from lowbit.kernels import dispatch  # noqa: E402
 from lowbit.nodes.comfy_ops import DeferredGELUMixin, DeferredLayerNormMixin, DeferredSwiGLUMixin  # noqa: E402
 from lowbit.nodes.model_quant import quantize_model  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
-
-
-def _fused_and_unfused(model, run, monkeypatch):
-    """``run(model)`` with every call computed as written, then twice with the fused plans settled: (unfused, the
-    first fused run, the second, a count of the second's prologue kinds, and per fused call (share of codes
-    differing from the same kernel on the computed input, all within a step, scale's relative difference,
-    centring mean's difference))."""
-    calls, differing = [], []
-    real = triton_act_quant.act_quant_triton
-
-    def spy(x, *args, **kwargs):
-        out = real(x, *args, **kwargs)
-        calls.append(x)
-        if not isinstance(x, torch.Tensor):  # the same kernel on the input ComfyUI's graph computes
-            ref = real(x.materialize(), *args, **{**kwargs, "split": "pow2"})
-            codes, ref_codes = out[0].float(), ref[0].float()
-            diff = (codes - ref_codes).abs()
-            # one INT8 step; e4m3: a step plus 2^-7 of the range (where shift + norm * mult nearly cancels,
-            # one bf16 step of the norm is a large share of the sum: kernels/gpu_checks.py)
-            step = 1.0 if out[0].dtype == torch.int8 else ref_codes.abs() * 0.125 + 448 * 2**-7
-            differing.append(((diff > 0).float().mean().item(), bool((diff <= step).all()),
-                              ((out[1] - ref[1]).abs() / ref[1]).max().item(),
-                              (out[2] - ref[2]).abs().max().item() if out[2].numel() else 0.0))
-        return out
-
-    monkeypatch.setattr(triton_act_quant, "act_quant_triton", spy)
-    with dispatch.use_dispatcher(TritonFirst(measure=False, fast=False)):  # no settled plans: all computed
-        unfused = run(model)
-    assert calls and all(isinstance(x, torch.Tensor) for x in calls)
-    with dispatch.use_dispatcher(TritonFirst(measure=False)):
-        first = run(model)  # settles the plans: each first call runs the fused plan it settled
-        calls.clear()
-        differing.clear()
-        fused = run(model)
-    kinds = collections.Counter(type(x).__name__ + ("+a" if getattr(x, "a", None) is not None else "")
-                                for x in calls if not isinstance(x, torch.Tensor))
-    return unfused, first, fused, kinds, differing
-
-
-def _assert_fused_as_computed(float_output, unfused, first, fused, differing) -> None:
-    assert torch.equal(first, fused)  # the first run gives the bits of the next (a seed, the same image)
-    # every fused call: the codes of the input ComfyUI's own graph computes, but where the last bit of
-    # tanh, of the SiLU's exponential or of the row variance moves a value to the neighbouring bf16 (then its
-    # code moves one step)
-    for frac, within_a_step, scale_rel, mean_diff in differing:
-        assert frac < 1e-3 and within_a_step and scale_rel < 2**-7 and mean_diff < 1e-5
-    # the output: as accurate as the unfused run (this random model amplifies a moved code, so the two
-    # differ by more than the codes do)
-    assert torch.isfinite(fused).all()
-    quant_error = (unfused - float_output).pow(2).mean()
-    assert (fused - float_output).pow(2).mean() <= 1.1 * quant_error
 
 
 @pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise", "int8_hadanorm", "w4a4", "w4a8"))
@@ -92,12 +42,12 @@ def test_fused_inputs_give_the_unfused_output(float_model, float_output, fmt, mo
     assert not any(isinstance(m, (DeferredGELUMixin, DeferredLayerNormMixin))
                    for m in float_model.model.diffusion_model.modules())  # the source model is untouched
 
-    unfused, first, fused, prologues, differing = _fused_and_unfused(model, run_flux, monkeypatch)
+    unfused, first, fused, prologues, differing = fused_and_unfused(model, run_flux, monkeypatch)
     _assert_resident_in_the_vbar_if_dynamic(model)  # Dynamic VRAM: the fused path runs on the vbar's copies
     assert prologues["NormModPrologue"] == 4 * len(dm.double_blocks) + len(dm.single_blocks)
     assert prologues["GeluPrologue+a"] == len(dm.single_blocks)
     assert prologues["GeluPrologue"] == 2 * len(dm.double_blocks)
-    _assert_fused_as_computed(float_output, unfused, first, fused, differing)
+    assert_fused_as_computed(float_output, unfused, first, fused, differing)
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +67,10 @@ def test_flux2_swiglus_are_computed_inside_the_activation_quantization(flux2, fm
     assert len(swiglus) == 2 * len(dm.double_blocks) + len(dm.single_blocks)
     assert not any(isinstance(m, DeferredSwiGLUMixin) for m in float_model.model.diffusion_model.modules())
 
-    unfused, first, fused, prologues, differing = _fused_and_unfused(model, run_flux2, monkeypatch)
+    unfused, first, fused, prologues, differing = fused_and_unfused(model, run_flux2, monkeypatch)
     assert prologues["SwigluPrologue"] == 2 * len(dm.double_blocks)
     assert prologues["SwigluPrologue+a"] == len(dm.single_blocks)
-    _assert_fused_as_computed(float_output, unfused, first, fused, differing)
+    assert_fused_as_computed(float_output, unfused, first, fused, differing)
 
 
 def _assert_resident_in_the_vbar_if_dynamic(model) -> None:
