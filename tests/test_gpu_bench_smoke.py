@@ -258,11 +258,13 @@ def test_stock_agreement_diag_reports_every_backend_and_the_stock_run(tmp_path):
     assert isinstance(fp8["auto"], dict) and "int8_linear" in fp8["kitchen"]
 
 
-@pytest.mark.parametrize("model", ["wan", "minimax", "flux2"])
+@pytest.mark.parametrize("model", ["wan", "minimax", "flux2", "zimage"])
 def test_mlp_bench_times_stock_routed_and_unfused_int8_mlps(tmp_path, model):
-    """``bench_wan_ffn.py``: the quantized MLP (Wan's GELU feed-forward, MiniMax's and Flux 2's SwiGLU MLPs) through
-    ComfyUI's fused call (Wan, MiniMax), through LowBit's layers and (``--unfused``) with their input computed
-    first, all against the float MLP; on the CPU all run kitchen's eager INT8 numerics, so their errors agree."""
+    """``bench_wan_ffn.py``: the quantized MLP (Wan's GELU feed-forward, MiniMax's, Flux 2's and Z-Image's SwiGLU
+    MLPs) through ComfyUI's fused call (Wan, MiniMax), through LowBit's layers and (``--unfused``) with their input
+    computed first, all against the float MLP; on the CPU all run kitchen's eager INT8 numerics, so their errors
+    agree."""
+    stock_call = model in ("wan", "minimax")  # Flux 2 and Z-Image have no fused call of ComfyUI's
     out = tmp_path / "mlp.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(GPU_DIR / "bench_wan_ffn.py"), "--model", model, "--device", "cpu", "--sizes", "tiny",
@@ -271,30 +273,31 @@ def test_mlp_bench_times_stock_routed_and_unfused_int8_mlps(tmp_path, model):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["tokens"]) for r in rows] == [(model, 16), (model, 48)]
-    timed = ("bf16", "lowbit", "lowbit_unfused") + (("stock_fused",) if model != "flux2" else ())
+    timed = ("bf16", "lowbit", "lowbit_unfused") + (("stock_fused",) if stock_call else ())
     for row in rows:
-        assert ("stock_fused_us" in row) == (model != "flux2")  # Flux 2 has no fused call of ComfyUI's
+        assert ("stock_fused_us" in row) == stock_call
         assert all(math.isfinite(row[f"{m}_us"]) and row[f"{m}_us"] > 0 for m in timed)
         assert 0 < row["lowbit_err"] < 0.05
         assert row["lowbit_unfused_err"] == row["lowbit_err"]  # the CPU computes the input either way
-        if model != "flux2":
+        if stock_call:
             assert math.isclose(row["lowbit_err"], row["stock_fused_err"], rel_tol=0.05)
 
 
-def test_flux2_step_bench_times_fused_and_unfused_modes_against_bf16(tmp_path):
-    """``bench_flux2_step.py``: a tiny Flux 2 built by ComfyUI's loader, bf16 and a format with and without its
-    inputs fused; on the CPU both compute the inputs as written, so their outputs agree; a mode with an unknown
-    flag is refused before anything is built."""
-    out = tmp_path / "flux2.json"
+@pytest.mark.parametrize("script", ["bench_flux2_step.py", "bench_zimage_step.py"])
+def test_fused_step_bench_times_fused_and_unfused_modes_against_bf16(tmp_path, script):
+    """``bench_flux2_step.py``, ``bench_zimage_step.py``: a tiny Flux 2 / Z-Image built by ComfyUI's loader, bf16 and
+    a format with and without its inputs fused; on the CPU both compute the inputs as written, so their outputs
+    agree; a mode with an unknown flag is refused before anything is built."""
+    out = tmp_path / "step.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(GPU_DIR / "bench_flux2_step.py"), "--size", "tiny", "--device", "cpu", "--iters", "1"]
+    cmd = [sys.executable, str(GPU_DIR / script), "--size", "tiny", "--device", "cpu", "--iters", "1", "--rounds", "2"]
     modes = ["int8_convrot", "int8_convrot+unfused", "int8_convrot+noswiglu"]
     proc = subprocess.run(cmd + ["--modes", *modes, "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["bf16", *modes]
-    assert all(math.isfinite(r["step_s"]) and r["step_s"] > 0 for r in rows.values())
+    assert all(math.isfinite(r["step_s"]) and r["step_s"] > 0 and len(r["rounds_s"]) == 2 for r in rows.values())
     assert 0 < rows["int8_convrot"]["rel_err"] < 0.05
     assert rows["int8_convrot+unfused"]["rel_err"] == rows["int8_convrot+noswiglu"]["rel_err"] == \
         rows["int8_convrot"]["rel_err"]

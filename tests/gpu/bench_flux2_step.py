@@ -66,9 +66,9 @@ def inputs(size: str, device: torch.device, dtype: torch.dtype, seed: int = 1):
     return x, torch.full((1,), 0.5, device=device, dtype=dtype), ctx, None, None
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="klein4b")
+def parse_args(description: str, sizes: dict, default_size: str, argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--size", choices=sorted(sizes), default=default_size)
     p.add_argument("--modes", nargs="+", default=["int8_convrot", "int8_convrot+unfused"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--iters", type=int, default=10, help="timed steps per mode and round (their median)")
@@ -78,6 +78,14 @@ def main(argv=None) -> int:
     for mode in args.modes:
         if mode.split("+")[1:] not in ([], ["unfused"], ["noswiglu"]):
             p.error(f"a mode is a format, optionally +unfused or +noswiglu; got {mode!r}")
+    return args
+
+
+def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dict, call=None) -> int:
+    """The shared body of the fused-step benches: ``build_model()`` (a ModelPatcher, after ComfyUI is imported),
+    ``step_inputs(dtype)`` (``bench_flux_step.step_time``'s arguments), ``swiglu_class`` (the ``comfy_ops`` function
+    whose ``None`` keeps the model's SwiGLU modules in their own class: ``+noswiglu``), ``call`` (``diffusion model ->
+    callable`` taking ``step_time``'s arguments, where the model's forward takes others)."""
     bench.import_comfy(args.device)
     import comfy.model_management
 
@@ -86,20 +94,21 @@ def main(argv=None) -> int:
     from lowbit.quant.policy import Policy
 
     device = torch.device(args.device)
-    base = build(args.size, device)
-    step_args = inputs(args.size, device, base.model.get_dtype())  # bf16 on a GPU (fp32 on the CPU)
+    base = build_model()
+    step_args = step_inputs(base.model.get_dtype())  # bf16 on a GPU (fp32 on the CPU)
     models = {"bf16": base}
     for mode in args.modes:
         fmt, *flags = mode.split("+")
-        with mock.patch.object(comfy_ops, "_swiglu_activation_class", lambda: None) if "noswiglu" in flags \
-                else contextlib.nullcontext():  # +noswiglu: Flux 2's SiLUActivation modules keep their own class
+        with mock.patch.object(comfy_ops, swiglu_class, lambda: None) if "noswiglu" in flags \
+                else contextlib.nullcontext():  # +noswiglu: the model's SwiGLU modules keep their own class
             models[mode] = quantize_model(base, Policy(mode=fmt), fuse_inputs="unfused" not in flags)
     comfy.model_management.load_models_gpu(list(models.values()))  # all resident: the rounds take turns
     times = {mode: [] for mode in models}
     outputs = {}
     for _ in range(args.rounds):  # every mode once a round, in turn: a slow phase of the machine hits all alike
         for mode, model in models.items():
-            step_s, outputs[mode] = bench.step_time(model.model.diffusion_model, step_args, device, args.iters)
+            dm = model.model.diffusion_model
+            step_s, outputs[mode] = bench.step_time(dm if call is None else call(dm), step_args, device, args.iters)
             times[mode].append(step_s)
     bf16_s = statistics.median(times["bf16"])
     rows = []
@@ -109,11 +118,18 @@ def main(argv=None) -> int:
                      "rel_err": bench.rel_err(outputs[mode], outputs["bf16"])})
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        report = {"size": args.size, **SIZES[args.size], "device": torch.cuda.get_device_name(device)
-                  if device.type == "cuda" else "cpu", "torch": torch.__version__, "rows": rows}
+        report = {**report, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "torch": torch.__version__, "rows": rows}
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(__doc__.split("\n\n")[0], SIZES, "klein4b", argv)
+    device = torch.device(args.device)
+    return compare_modes(args, lambda: build(args.size, device), lambda dtype: inputs(args.size, device, dtype),
+                         "_swiglu_activation_class", {"size": args.size, **SIZES[args.size]})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Usage (from the repository root)::
   python tests/gpu/bench_wan_ffn.py --out wan_ffn.json
   python tests/gpu/bench_wan_ffn.py --model minimax --unfused --out minimax_mlp.json
   python tests/gpu/bench_wan_ffn.py --model flux2 --unfused --out flux2_mlp.json
+  python tests/gpu/bench_wan_ffn.py --model zimage --unfused --out zimage_mlp.json
   python tests/gpu/bench_wan_ffn.py --device cpu --sizes tiny --tokens 64 --iters 2   # CPU smoke run
 
 ComfyUI's ``WanFeedForward`` computes ``ffn.2`` as ``comfy.ops.linear_input_act(ffn[2], ffn[0](x), "gelu_tanh")``,
@@ -12,7 +13,8 @@ and MiniMax H3's ``MLP`` computes ``fc2`` as ``linear_input_act(fc2, fc1(x), "sw
 kitchen's INT8 linear with the activation inside its activation quantizer, without calling the layer. LowBit
 routes that call through its layer (``nodes/input_act.py``), and computes the GELU or the SwiGLU inside its own
 activation quantization. Flux 2's double blocks run ``Linear -> SiLUActivation -> Linear`` (no fused call in
-ComfyUI); LowBit defers the SwiGLU to the second linear's activation quantization the same way. Per size (a
+ComfyUI); LowBit defers the SwiGLU to the second linear's activation quantization the same way, and so it does for
+Z-Image's ``FeedForward``, ``w2(silu(w1(x)) * w3(x))``, from the two linears' outputs. Per size (a
 one-block model with random bf16 weights, loaded by ComfyUI, quantized by Quantize Model's core,
 ``int8_convrot`` unless ``--mode`` says otherwise) and token count, the median time of the whole MLP module:
 
@@ -83,6 +85,22 @@ def one_block_flux2(hidden: int, ffn: int, heads: int, device: torch.device):
         **config, device="meta", operations=comfy.ops.disable_weight_init), device=device))
 
 
+#: Z-Image widths: hidden, FFN (w2's input: the 8/3 multiplier rounded up to 256), heads of 128 (6B: 3840, 10240, 30)
+ZIMAGE_SIZES = {"6b": (3840, 10240, 30), "tiny": (256, 768, 2)}
+
+
+def one_block_zimage(hidden: int, ffn: int, heads: int, device: torch.device):
+    import comfy.ldm.lumina.model as lumina_model
+    import comfy.ops
+    from comfy_helpers import TINY_ZIMAGE, load_tiny_zimage, random_weights
+
+    config = dict(TINY_ZIMAGE, dim=hidden, n_heads=heads, n_kv_heads=heads, n_layers=1)
+    model = load_tiny_zimage(random_weights(lambda: lumina_model.NextDiT(
+        **config, device="meta", operations=comfy.ops.disable_weight_init), device=device))
+    assert model.model.diffusion_model.layers[0].feed_forward.w2.in_features == ffn
+    return model
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     sizes: dict
@@ -104,6 +122,8 @@ def _models() -> dict[str, Model]:
                          lambda tokens: (tokens,)),  # MiniMax's blocks run on [tokens, hidden]
         "flux2": Model(FLUX2_SIZES, ("dev", "klein"), one_block_flux2, lambda dm: dm.double_blocks[0].img_mlp,
                        None, lambda mlp: mlp[0].weight, lambda tokens: (1, tokens)),  # SiLUActivation, no fused call
+        "zimage": Model(ZIMAGE_SIZES, ("6b",), one_block_zimage, lambda dm: dm.layers[0].feed_forward, None,
+                        lambda mlp: mlp.w1.weight, lambda tokens: (1, tokens)),  # w2(silu(w1(x)) * w3(x))
     }
 
 
