@@ -274,7 +274,7 @@ def test_readme_and_docs_tables_match_the_registry():
 def test_readme_has_exactly_one_test_command():
     block = _block("README.md", "test-command")
     commands = [line for line in block.splitlines() if line and not line.startswith("```")]
-    assert commands == ["python -m pytest -q tests"], commands
+    assert commands == ["python -m pytest -q -n 2 --dist loadfile tests"], commands
 
 
 def _block(name: str, marker: str) -> str:

@@ -146,7 +146,7 @@ def test_ci_extracts_the_readme_test_command():
     out = subprocess.run(["bash", "-c", extract], cwd=REPO, capture_output=True, text=True, check=True)
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     block = readme.split("<!-- lowbit:test-command:begin -->")[1].split("<!-- lowbit:test-command:end -->")[0]
-    assert out.stdout.strip() == "python -m pytest -q tests"
+    assert out.stdout.strip() == "python -m pytest -q -n 2 --dist loadfile tests"
     assert out.stdout.strip() in block
 
 
