@@ -10,9 +10,10 @@ loader: matrices N(0, 1 / fan-in), norm scales 1, other vectors N(0, 0.02^2)) is
 latent of 128 channels: 4096 image tokens) with 512 text tokens, batch 1, eager. Per mode: the median time of
 one diffusion-model forward (every model resident; ``--rounds`` rounds over the modes in turn, each timing
 ``--iters`` steps: the median of the rounds' medians), its speed-up over bf16 measured in the same run, and its
-output's relative error against bf16's. A mode is a format, quantized by Quantize Model's core with the preset ComfyUI's model picks;
-``+unfused`` quantizes with ``fuse_inputs=False`` (the norms and SwiGLUs computed as written instead of inside
-the activation quantization: an A/B of that fusion); ``+noswiglu`` fuses the norms only (the SwiGLUs' share).
+output's relative error against bf16's. A mode is a format, quantized by Quantize Model's core with the preset
+ComfyUI's model picks; ``+unfused`` quantizes with ``fuse_inputs=False`` (the norms and SwiGLUs computed as
+written instead of inside the activation quantization: an A/B of that fusion); ``+noswiglu`` fuses the norms
+only (the SwiGLUs' share); ``+attn`` (``bf16+attn`` too) runs with the Attention Backend (LowBit) node's choice.
 """
 
 from __future__ import annotations
@@ -73,11 +74,15 @@ def parse_args(description: str, sizes: dict, default_size: str, argv=None) -> a
     p.add_argument("--device", default="cuda")
     p.add_argument("--iters", type=int, default=10, help="timed steps per mode and round (their median)")
     p.add_argument("--rounds", type=int, default=3, help="rounds over every mode, in turn (the median of rounds)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one step per mode (GPU kernel time by category and the top kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     for mode in args.modes:
-        if mode.split("+")[1:] not in ([], ["unfused"], ["noswiglu"]):
-            p.error(f"a mode is a format, optionally +unfused or +noswiglu; got {mode!r}")
+        flags = mode.split("+")[1:]
+        if len(set(flags)) != len(flags) or not set(flags) <= {"unfused", "noswiglu", "attn"} \
+                or {"unfused", "noswiglu"} <= set(flags) or (mode.split("+")[0] == "bf16" and flags != ["attn"]):
+            p.error(f"a mode is a format, optionally +unfused or +noswiglu, and +attn (bf16: only +attn); got {mode!r}")
     return args
 
 
@@ -99,24 +104,42 @@ def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dic
     models = {"bf16": base}
     for mode in args.modes:
         fmt, *flags = mode.split("+")
+        if fmt == "bf16":
+            models[mode] = base
+            continue
         with mock.patch.object(comfy_ops, swiglu_class, lambda: None) if "noswiglu" in flags \
                 else contextlib.nullcontext():  # +noswiglu: the model's SwiGLU modules keep their own class
             models[mode] = quantize_model(base, Policy(mode=fmt), fuse_inputs="unfused" not in flags)
-    comfy.model_management.load_models_gpu(list(models.values()))  # all resident: the rounds take turns
+    comfy.model_management.load_models_gpu(list({id(m): m for m in models.values()}.values()))  # all resident
+    # +attn: the Attention Backend (LowBit) node's override, one chooser per mode
+    options = {mode: bench.attention_options("auto") if "attn" in mode.split("+")[1:] else None for mode in models}
     times = {mode: [] for mode in models}
     outputs = {}
     for _ in range(args.rounds):  # every mode once a round, in turn: a slow phase of the machine hits all alike
         for mode, model in models.items():
             dm = model.model.diffusion_model
-            step_s, outputs[mode] = bench.step_time(dm if call is None else call(dm), step_args, device, args.iters)
+            step_s, outputs[mode] = bench.step_time(dm if call is None else call(dm), step_args, device, args.iters,
+                                                    options[mode])
             times[mode].append(step_s)
     bf16_s = statistics.median(times["bf16"])
     rows = []
-    for mode in models:
+    for mode, model in models.items():
         step_s = statistics.median(times[mode])
         rows.append({"mode": mode, "step_s": step_s, "rounds_s": times[mode], "speedup": bf16_s / step_s,
                      "rel_err": bench.rel_err(outputs[mode], outputs["bf16"])})
-        print(json.dumps(rows[-1]), flush=True)
+        if args.profile:
+            from profile_flux_step import profile_step
+
+            dm = model.model.diffusion_model
+            fn = dm if call is None else call(dm)
+            x, t, ctx, y, g = step_args
+            opts = {"transformer_options": dict(options[mode])} if options[mode] else {}
+            rows[-1]["profile"] = profile_step(lambda: fn(x, t, ctx, y=y, guidance=g, **opts), device)
+        if options[mode]:
+            rows[-1]["attention"] = bench.attention_report(options[mode])
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"} |
+                         ({"by_category_ms": rows[-1]["profile"]["by_category_ms"]} if args.profile else {})),
+              flush=True)
     if args.out:
         report = {**report, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "torch": torch.__version__, "rows": rows}

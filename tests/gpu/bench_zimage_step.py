@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-  python tests/gpu/bench_zimage_step.py --size 6b --modes int8_convrot int8_convrot+noswiglu --out r.json
+  python tests/gpu/bench_zimage_step.py --size 6b --modes int8_convrot int8_convrot+noswiglu bf16+attn --out r.json
   python tests/gpu/bench_zimage_step.py --size tiny --device cpu --iters 1   # CPU smoke run
 
 A Z-Image model of the chosen size (ComfyUI's ``ZImage`` at 6B: width 3840, 30 layers, two noise and two context
