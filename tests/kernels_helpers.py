@@ -2,14 +2,16 @@
 
 The kernel tests run the Triton kernels on the CPU through Triton's interpreter. It must be switched
 on before any Triton kernel is defined, so the test modules import this module first; it sets
-``TRITON_INTERPRET=1`` unless the environment already says otherwise.
+``TRITON_INTERPRET=1`` unless the environment already says otherwise, or the tests run on a GPU
+(``LOWBIT_TEST_DEVICE=cuda``: the kernels compiled, the CPU-interpreter tests skipped).
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not os.environ.get("LOWBIT_TEST_DEVICE", "cpu").startswith("cuda"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
