@@ -209,26 +209,33 @@ def _act_quant_runs(x2d: torch.Tensor, pre: Preprocess, fp8: bool) -> bool:
             and act_quant_problem(x2d.shape[1], pre.rotation, pre.group_size) is None)
 
 
+#: where a prologue keeps the codes its first linear computed (``_TritonW8A8Plan._prologue_call``)
+_SHARED_CODES = "_lowbit_shared_codes"
+
+
 class _TritonW8A8Plan:
     """Our act-quant kernel + our GEMM with one tile config (``config`` None: ``torch._int_mm`` /
     ``torch._scaled_mm`` and the epilogue, the ``torch`` decision on a GPU): two launches and three
     allocations, replayed per kind of input (``kernels/replay.py``; on a CUDA device a Triton config's
     replay makes two: the codes and scales share one). ``x`` may be a prologue
-    (``kernels/prologue.py``): the act-quant kernel computes it."""
+    (``kernels/prologue.py``): the act-quant kernel computes it, once for the linears that take it."""
 
     __slots__ = ("config", "rotation", "group_size", "center", "code_dtype", "qmax", "out_dtype", "scale_as_is",
-                 "replays")
+                 "replays", "keep_codes")
 
     def __init__(self, config, rotation, group_size, center, fp8, out_dtype, scale_as_is):
         self.config, self.rotation, self.group_size, self.center = config, rotation, group_size, center
         self.code_dtype, self.qmax = (FP8, FP8_MAX) if fp8 else (torch.int8, INT8_MAX)
         self.out_dtype, self.scale_as_is = out_dtype, scale_as_is
         self.replays = PlanReplays()
+        self.keep_codes = False  # learned: a sibling linear takes the prologue inputs it quantizes
 
     def __call__(self, x, weight, weight_scale, bias, smooth, center_rowsum):
         w_scale = weight_scale if self.scale_as_is else weight_scale.reshape(-1).float()
         col_shift = center_rowsum.float() if self.center else None
         config = self.config
+        if not isinstance(x, torch.Tensor):  # a prologue: linears that take the same one share its codes
+            return self._prologue_call(x, weight, w_scale, bias, smooth, col_shift)
         key, sources = input_kind(x)
         outputs = self.replays.run(key, (*sources, weight, w_scale, bias, smooth, col_shift),
                                    lambda: self._launch(x, weight, w_scale, bias, smooth, col_shift),
@@ -238,6 +245,46 @@ class _TritonW8A8Plan:
         q, scale = outputs[0], outputs[1]
         return torch_scaled_mm(q, weight, scale, w_scale, bias, outputs[2] if self.center else None, col_shift,
                                self.out_dtype)
+
+    def _prologue_call(self, prologue, weight, w_scale, bias, smooth, col_shift):
+        """The linear of a prologue input. Its activation quantization runs once per prologue and kind of codes
+        where a model feeds one input to sibling linears (Qwen-Image's ``to_q`` / ``to_k`` / ``to_v``, each
+        taking the block's modulated norm): the first keeps the codes with the prologue object and the others
+        run only their GEMM on them (the same kernel on the same sources: the same codes). A plan learns to
+        keep its codes when a later linear meets an input it has quantized (``keep_codes``, from its next call
+        on); until then, and in models whose linears each take their own input (Flux's), its codes stay
+        scratch memory of its replay. Kept codes go when the model drops its input."""
+        codes_key = (self.code_dtype, self.qmax, self.rotation, self.group_size, self.center,
+                     None if smooth is None else id(smooth))
+        shared = prologue.__dict__.setdefault(_SHARED_CODES, {})
+        held = shared.get(codes_key)
+        if isinstance(held, tuple) and held[-1] is smooth:
+            return self._codes_call(*held[:3], weight, w_scale, bias, col_shift)
+        if isinstance(held, _TritonW8A8Plan):  # its codes of this input are gone: it keeps them from now on
+            held.keep_codes = True
+        keep = held is None and (self.keep_codes or self.config is None)  # torch's GEMMs: codes are outputs
+        key, sources = input_kind(prologue)
+        outputs = self.replays.run((*key, "kept") if keep and self.config is not None else key,
+                                   (*sources, weight, w_scale, bias, smooth, col_shift),
+                                   lambda: self._launch(prologue, weight, w_scale, bias, smooth, col_shift),
+                                   last_only=self.config is not None and not keep)
+        mean = outputs[2] if self.center else None
+        if held is None:
+            shared[codes_key] = (outputs[0], outputs[1], mean, smooth) if keep else self
+        if self.config is not None:
+            return outputs[-1]
+        return torch_scaled_mm(outputs[0], weight, outputs[1], w_scale, bias, mean, col_shift, self.out_dtype)
+
+    def _codes_call(self, q, scale, mean, weight, w_scale, bias, col_shift):
+        """This linear's GEMM on codes another linear's act-quant computed."""
+        if self.config is None:
+            return torch_scaled_mm(q, weight, scale, w_scale, bias, mean, col_shift, self.out_dtype)
+        from .triton_w8a8_gemm import w8a8_mm_triton
+
+        shift = (mean, col_shift) if self.center else (None, None)
+        return self.replays.run(("codes", q.shape[0]), (q, scale, mean, weight, w_scale, bias, col_shift),
+                                lambda: (w8a8_mm_triton(q, weight, scale, w_scale, bias, *shift, self.out_dtype,
+                                                        self.config),))[-1]
 
     def _launch(self, x, weight, w_scale, bias, smooth, col_shift) -> tuple:
         """The kernels of one call; the tensors they allocated: ``(q, scale[, mean][, out])`` (no ``out`` for

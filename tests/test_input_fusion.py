@@ -342,6 +342,73 @@ def test_prologue_linear_runs_the_settled_plan_and_gives_the_unfused_bits(fmt, k
     assert fused is not None and torch.equal(fused, unfused)
 
 
+def _norm_prologue(seed: int) -> NormModPrologue:
+    """A modulated norm of 24 rows (two batch elements of 12): ``torch._int_mm`` takes more than 16."""
+    x, mult, shift = (t.to(DEVICE) for t in _norm_inputs(12, K, 2, torch.bfloat16, seed=seed))
+    return NormModPrologue(x, 1e-6, mult, shift, 12)
+
+
+@on_device
+@pytest.mark.parametrize("fmt", ("int8_convrot", "int8_hadanorm", "fp8_rowwise"))
+@pytest.mark.parametrize("decision", ("triton", "torch"))
+def test_sibling_linears_of_one_prologue_quantize_it_once(fmt, decision, monkeypatch):
+    """Three linears taking one input (Qwen-Image's q/k/v on the modulated norm): once the first has learned
+    that its input has siblings, the act-quant kernel runs once per input and each linear gives the bits of its
+    unfused call; a linear alone on its input keeps no codes with it. HadaNorm's smoothing vector is each
+    layer's own, so are its codes: each linear quantizes."""
+    from lowbit.kernels import launcher
+    from lowbit.kernels.w8a8_linear import _SHARED_CODES
+
+    if decision == "torch" and DEVICE.type != "cuda":
+        pytest.skip("the torch decision quantizes with our kernel on a GPU only (the eager reference elsewhere)")
+    codec = FORMATS[fmt]
+    weights = [codec.quantize(randn(32, K, seed=70 + i) / K**0.5).to(device=DEVICE, dtype=torch.bfloat16)
+               for i in range(4)]
+    lone = codec.quantize(randn(48, K, seed=75) / K**0.5).to(device=DEVICE, dtype=torch.bfloat16)
+    first = _norm_prologue(31)
+    m, k = first.shape
+    x = first.materialize()
+    shares = codec.w8a8_form(x, weights[0]).smooth is None
+    decisions = {}
+    for n, w in ((32, weights[0]), (48, lone)):
+        form = codec.w8a8_form(x, w)
+        pre = "+".join(p for p in (form.smooth is not None and "smooth", form.center_rowsum is not None and "center",
+                                   form.rotation != "none" and f"{form.rotation}{form.group_size}") if p)
+        key = dispatch.DispatchKey(form.fmt + (f"+{pre}" if pre else ""), capability(DEVICE), dispatch.m_bucket(m),
+                                   n, k).as_str()
+        decisions[key] = f"triton:{default_config(m).name}" if decision == "triton" else "torch"
+    calls = []
+    real = triton_act_quant.act_quant_triton
+    monkeypatch.setattr(triton_act_quant, "act_quant_triton",
+                        lambda src, *a, **kw: calls.append(type(src).__name__) or real(src, *a, **kw))
+    # ordinary launches only: a replay runs the kernels without the act-quant function this counts
+    with dispatch.use_dispatcher(dispatch.Dispatcher(measure=False, decisions=decisions)), launcher.no_replays():
+        for w in (*weights[:3], lone):
+            codec.linear(x, w, None)  # settles each plan
+        counts = []
+        for seed in (31, 32, 33):
+            prologue = _norm_prologue(seed)
+            calls.clear()
+            fused = [codec.prologue_linear(prologue, w, None) for w in weights[:3]]
+            counts.append(calls.count("NormModPrologue"))
+            unfused = [codec.linear(prologue.materialize(), w, None) for w in weights[:3]]
+            assert all(f is not None and torch.equal(f, u) for f, u in zip(fused, unfused))
+            alone = _norm_prologue(seed)
+            assert torch.equal(codec.prologue_linear(alone, lone, None), codec.linear(alone.materialize(), lone, None))
+            kept = [v for v in alone.__dict__[_SHARED_CODES].values() if isinstance(v, tuple)]
+            assert kept == [] if decision == "triton" else len(kept) == 1  # torch's GEMMs take the codes as outputs
+        # the triton plans learn in the first round (each linear quantizes); torch's GEMMs share from the start
+        assert counts == ([3, 3, 3] if not shares else [3, 1, 1] if decision == "triton" else [1, 1, 1])
+        # a fourth linear joining later takes the codes too
+        prologue = _norm_prologue(34)
+        calls.clear()
+        codec.prologue_linear(prologue, weights[0], None)
+        codec.linear(x, weights[3], None)
+        calls.clear()
+        joined = codec.prologue_linear(prologue, weights[3], None)
+        assert calls == ([] if shares else ["NormModPrologue"]) and torch.equal(joined, codec.linear(prologue.materialize(), weights[3], None))
+
+
 @on_device
 @pytest.mark.parametrize("fmt", ("int8", "int8_convrot"))
 def test_prologue_linear_declines_where_the_plan_does_not_take_our_codes(fmt):

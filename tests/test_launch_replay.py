@@ -9,6 +9,7 @@ replays run the very argument lists a GPU would get, TMA descriptors included.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from kernels_helpers import needs_triton_interpreter, randint8, randn
@@ -117,10 +118,11 @@ def _launches() -> int:
 
 
 def _ordinary(plan, x, call):
-    """What the plan's ordinary path gives for ``x`` (a fresh plan has no recording)."""
+    """What the plan's ordinary path gives for ``x`` (a fresh plan has no recording; a fresh copy of a prologue
+    holds no codes an earlier call left with it)."""
     saved, plan.replays = plan.replays, PlanReplays()
     try:
-        return call(x)
+        return call(x if isinstance(x, torch.Tensor) else dataclasses.replace(x))
     finally:
         plan.replays = saved
 
