@@ -620,6 +620,15 @@ class DeferredGELUMixin:
         return defer_gelu(input, self.approximate)
 
 
+class DeferredProjGELUMixin:
+    """A GELU module that owns its projection, ``gelu(self.proj(x))`` (Qwen-Image's ``GELU``; LTX's ``GELU_approx``,
+    tanh), whose output may be a deferred input (``quant/deferred.py``): the next LowBit linear (the MLP's
+    down-projection) computes the GELU inside its activation quantization."""
+
+    def forward(self, x):
+        return defer_gelu(self.proj(x), getattr(self, "approximate", "tanh"))
+
+
 class DeferredLayerNormMixin:
     """An affine-free LayerNorm (torch's or ComfyUI's) whose output may be a deferred input
     (``quant/deferred.py``); with weights, patches or other arguments it is its class's own."""
@@ -679,6 +688,39 @@ def _gated_feed_forward_class() -> type | None:
     return cls if ok else None
 
 
+#: ComfyUI's GELU modules that own their projection: (module, class name)
+_PROJ_GELUS = (("comfy.ldm.qwen_image.model", "GELU"), ("comfy.ldm.lightricks.model", "GELU_approx"))
+
+
+@functools.lru_cache(maxsize=None)
+def _proj_gelu_classes() -> frozenset:
+    """Those of ``_PROJ_GELUS`` this ComfyUI has whose ``forward(x)`` computes ``gelu(self.proj(x))`` at their
+    ``approximate`` (``"tanh"`` where they have none), checked once on a small instance for every approximation
+    they take, in fp32 and bf16 (the deferral stands for exactly that)."""
+    found = []
+    for module_name, name in _PROJ_GELUS:
+        try:
+            cls = getattr(importlib.import_module(module_name), name)
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(3, 8, generator=gen)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                module = cls(8, 16, operations=torch.nn)  # torch's own Linear: a plain projection
+            approximations = ("none", "tanh") if hasattr(module, "approximate") else ("tanh",)
+            ok = True
+            for approximate in approximations:
+                if hasattr(module, "approximate"):
+                    module.approximate = approximate
+                for dtype in (torch.float32, torch.bfloat16):
+                    m, xd = module.to(dtype), x.to(dtype)
+                    with torch.no_grad():
+                        ok = ok and torch.equal(m(xd), torch.nn.functional.gelu(m.proj(xd), approximate=approximate))
+        except Exception:  # absent, or another signature: such modules keep their own forward
+            continue
+        if ok:
+            found.append(cls)
+    return frozenset(found)
+
+
 @functools.lru_cache(maxsize=None)
 def _swiglu_activation_class() -> type | None:
     """ComfyUI's Flux 2 ``SiLUActivation``, where this ComfyUI has it and it computes ``silu(x1) * x2`` of
@@ -713,8 +755,9 @@ def _deferring_class(base: type, mixin: type, classes: dict[type, type]) -> type
 def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, type]) -> int:
     """Let the model's GELUs, SwiGLUs and affine-free LayerNorms hand their outputs to LowBit linears uncomputed.
 
-    Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation`` and Lumina
-    ``FeedForward`` (Lumina 2, Z-Image; where ComfyUI has them: the gating of the latter) and of every LayerNorm
+    Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation``, Lumina
+    ``FeedForward`` (Lumina 2, Z-Image; where ComfyUI has them: the gating of the latter) and GELU module with its
+    own projection (Qwen-Image's ``GELU``, LTX's ``GELU_approx``: ``gelu(proj(x))``) and of every LayerNorm
     without weights whose class computes plain ``F.layer_norm`` (torch's, ComfyUI's ops) to a per-model subclass
     (``classes``: the caller's per-model cache; nothing global changes). Their outputs become deferred inputs
     (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation quantization;
@@ -723,6 +766,7 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     """
     norm_forwards = _layer_norm_forwards()
     swiglu, gated_ffn = _swiglu_activation_class(), _gated_feed_forward_class()
+    proj_gelus = _proj_gelu_classes() or frozenset()
     swapped = 0
     for module in diffusion_model.modules():
         cls = type(module)
@@ -732,6 +776,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
             module.__class__ = _deferring_class(cls, DeferredSwiGLUMixin, classes)
         elif gated_ffn is not None and cls is gated_ffn:
             module.__class__ = _deferring_class(cls, DeferredGatedFeedForwardMixin, classes)
+        elif cls in proj_gelus:
+            module.__class__ = _deferring_class(cls, DeferredProjGELUMixin, classes)
         elif (isinstance(module, torch.nn.LayerNorm) and not isinstance(module, DeferredLayerNormMixin)
               and cls.forward in norm_forwards and module.weight is None and module.bias is None):
             module.__class__ = _deferring_class(cls, DeferredLayerNormMixin, classes)

@@ -11,7 +11,8 @@ decides the order of ops, so the fusion has to be arranged without changing that
   Lumina 2's and Z-Image's ``FeedForward`` (``defer_swiglu_pair``: the gate and up are two linears' outputs);
 * two follow-up ops extend the recipe instead of running: ``torch.cat((a, gelu), -1)`` (Flux's single
   blocks; Flux 2's with its SwiGLU) and ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation,
-  ComfyUI's ``apply_mod``);
+  ComfyUI's ``apply_mod``); an inactive dropout (``p`` 0, or not training: Qwen-Image's MLP runs one between its
+  GELU and its down-projection) returns it as it is;
 * a LowBit linear that receives one hands the recipe to its format's fused path
   (``FormatCodec.prologue_linear``): the act-quant kernel computes the rows from the sources.
 
@@ -83,6 +84,8 @@ class DeferredInput(torch.Tensor):
             out = _deferred_cat(*args, **kwargs)
         elif func is torch.addcmul:
             out = _deferred_addcmul(*args, **kwargs)
+        elif func is torch.nn.functional.dropout:
+            out = _inactive_dropout(*args, **kwargs)
         if out is not None:
             return out
         args, kwargs = tree_map(_value, (args, kwargs))
@@ -168,6 +171,11 @@ def _deferred_cat(tensors, dim=0, *, out=None):
             or a.device != src.device or a.shape[-1] + p.shape[1] > MAX_FEATURES):
         return None
     return DeferredInput(dataclasses.replace(p, a=_rows(a)), lead)
+
+
+def _inactive_dropout(input, p=0.5, training=True, inplace=False):
+    """``dropout(input)`` where it is the identity (``p`` 0 or not training): ``input`` itself; ``None`` otherwise."""
+    return input if isinstance(input, DeferredInput) and (p == 0 or not training) else None
 
 
 def _per_batch(t, lead_shape: tuple, features: int) -> torch.Tensor | None:

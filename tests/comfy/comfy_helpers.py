@@ -239,13 +239,14 @@ def tiny_flux2_bf16() -> dict[str, torch.Tensor]:
                                                             operations=comfy.ops.disable_weight_init))
 
 
-def _tiny_denoiser_call(model_patcher, channels: int, seed: int, extra_conds) -> torch.Tensor:
-    """One denoiser call on an 8x8 latent of ``channels`` with 16 text tokens of 64 (timestep 0.7), weights loaded
-    first; ``extra_conds(device)``: the model's other conditioning."""
+def _tiny_denoiser_call(model_patcher, channels: int, seed: int, extra_conds, frames: int | None = None) -> torch.Tensor:
+    """One denoiser call on an 8x8 latent of ``channels`` (of ``frames``, for a model of video-shaped latents) with 16
+    text tokens of 64 (timestep 0.7), weights loaded first; ``extra_conds(device)``: the model's other conditioning."""
     import comfy.model_management
 
     gen = torch.Generator().manual_seed(seed)
-    x, context = torch.randn(1, channels, 8, 8, generator=gen), torch.randn(1, 16, 64, generator=gen)
+    shape = (1, channels, 8, 8) if frames is None else (1, channels, frames, 8, 8)
+    x, context = torch.randn(*shape, generator=gen), torch.randn(1, 16, 64, generator=gen)
     comfy.model_management.load_models_gpu([model_patcher])
     dev = model_patcher.load_device
     with torch.no_grad():
@@ -298,6 +299,47 @@ def load_tiny_zimage(state_dict: dict[str, torch.Tensor] | None = None):
 def run_zimage(model_patcher, seed: int = 0) -> torch.Tensor:
     """One denoiser call of the tiny Z-Image (an 8x8 latent, 16 text tokens), weights loaded first."""
     return _tiny_denoiser_call(model_patcher, 16, seed, lambda dev: {"num_tokens": 16})
+
+
+#: Qwen-Image's layout (its dual-stream blocks, modulation, tanh-GELU MLP of 4x, RoPE axes) at width 256: two heads of
+#: 128, MLP 1024, two blocks, a 64-wide text; ComfyUI's detection reads only the blocks and the input width from the
+#: keys and takes the rest from the class's defaults (the 20B's), so the tiny load fills those in
+TINY_QWEN = dict(num_layers=2, num_attention_heads=2, attention_head_dim=128, joint_attention_dim=64)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_qwen_bf16() -> dict[str, torch.Tensor]:
+    import comfy.ldm.qwen_image.model
+    import comfy.ops
+
+    return random_weights(lambda: comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
+        **TINY_QWEN, device="meta", operations=comfy.ops.disable_weight_init))
+
+
+def load_tiny_qwen(state_dict: dict[str, torch.Tensor] | None = None):
+    """The tiny Qwen-Image (or ``state_dict``, one of another size), loaded by stock ComfyUI: its detection gives the
+    blocks and the input width, and this fills in the heads and text width the keys show, for this load only."""
+    import comfy.model_detection
+
+    real = comfy.model_detection.detect_unet_config
+
+    def detect(state_dict, key_prefix, *args, **kwargs):
+        config = real(state_dict, key_prefix, *args, **kwargs)
+        if config and config.get("image_model") == "qwen_image":
+            head = state_dict[f"{key_prefix}transformer_blocks.0.attn.norm_q.weight"].shape[0]
+            width = state_dict[f"{key_prefix}img_in.weight"].shape[0]
+            config = {**config, "attention_head_dim": head, "num_attention_heads": width // head,
+                      "joint_attention_dim": state_dict[f"{key_prefix}txt_norm.weight"].shape[0]}
+        return config
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(comfy.model_detection, "detect_unet_config", detect)
+        return load_stock(tiny_qwen_bf16() if state_dict is None else state_dict)
+
+
+def run_qwen(model_patcher, seed: int = 0) -> torch.Tensor:
+    """One denoiser call of the tiny Qwen-Image (an 8x8 latent of one frame, 16 text tokens), weights loaded first."""
+    return _tiny_denoiser_call(model_patcher, 16, seed, lambda dev: {}, frames=1)
 
 
 def flux_runner(model_patcher, output_0: torch.Tensor | None = None):
