@@ -283,16 +283,16 @@ def test_mlp_bench_times_stock_routed_and_unfused_int8_mlps(tmp_path, model):
             assert math.isclose(row["lowbit_err"], row["stock_fused_err"], rel_tol=0.05)
 
 
-@pytest.mark.parametrize("script", ["bench_flux2_step.py", "bench_zimage_step.py"])
+@pytest.mark.parametrize("script", ["bench_flux2_step.py", "bench_zimage_step.py", "bench_qwen_step.py"])
 def test_fused_step_bench_times_fused_and_unfused_modes_against_bf16(tmp_path, script):
-    """``bench_flux2_step.py``, ``bench_zimage_step.py``: a tiny Flux 2 / Z-Image built by ComfyUI's loader, bf16 and
-    a format with and without its inputs fused, and bf16 with the Attention Backend node; on the CPU both compute
-    the inputs as written, so their outputs agree; a mode with an unknown flag is refused before anything is
-    built."""
+    """``bench_flux2_step.py``, ``bench_zimage_step.py``, ``bench_qwen_step.py``: a tiny Flux 2 / Z-Image / Qwen-Image
+    built by ComfyUI's loader, bf16 and a format with and without its inputs fused, and bf16 and the format with the
+    Attention Backend node (the format's on the model of the mode without it); on the CPU both compute the inputs
+    as written, so their outputs agree; a mode with an unknown flag is refused before anything is built."""
     out = tmp_path / "step.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(GPU_DIR / script), "--size", "tiny", "--device", "cpu", "--iters", "1", "--rounds", "2"]
-    modes = ["int8_convrot", "int8_convrot+unfused", "int8_convrot+noswiglu", "bf16+attn"]
+    modes = ["int8_convrot", "int8_convrot+unfused", "int8_convrot+noswiglu", "bf16+attn", "int8_convrot+attn"]
     proc = subprocess.run(cmd + ["--modes", *modes, "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -305,6 +305,9 @@ def test_fused_step_bench_times_fused_and_unfused_modes_against_bf16(tmp_path, s
     # +attn: the Attention Backend node's choice per attention shape, reported; bf16 runs it on the same model
     assert rows["bf16+attn"]["attention"] and "attention" not in rows["bf16"]
     assert rows["bf16+attn"]["rel_err"] < 1e-3
+    assert [rows[m]["model"] for m in ("bf16+attn", "int8_convrot+attn", "int8_convrot+noswiglu")] == \
+        ["bf16", "int8_convrot", "int8_convrot+noswiglu"]
+    assert rows["int8_convrot+attn"]["attention"] and 0 < rows["int8_convrot+attn"]["rel_err"] < 0.05
     for mode in ("int8_convrot+floatmods", "bf16+unfused"):
         proc = subprocess.run(cmd + ["--modes", mode], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT_S)

@@ -13,7 +13,8 @@ one diffusion-model forward (every model resident; ``--rounds`` rounds over the 
 output's relative error against bf16's. A mode is a format, quantized by Quantize Model's core with the preset
 ComfyUI's model picks; ``+unfused`` quantizes with ``fuse_inputs=False`` (the norms and SwiGLUs computed as
 written instead of inside the activation quantization: an A/B of that fusion); ``+noswiglu`` fuses the norms
-only (the SwiGLUs' share); ``+attn`` (``bf16+attn`` too) runs with the Attention Backend (LowBit) node's choice.
+only (the SwiGLUs' share); ``+attn`` (``bf16+attn`` too) runs with the Attention Backend (LowBit) node's choice,
+on the same quantized model as the mode without it (so a run holds one model per format and fusion flags).
 """
 
 from __future__ import annotations
@@ -58,13 +59,20 @@ def build(size: str, device: torch.device):
     return comfy.sd.load_diffusion_model_state_dict(sd)
 
 
+def random_inputs(latent_shape: tuple, txt: int, text_width: int, device: torch.device, dtype: torch.dtype,
+                  seed: int = 1):
+    """A random latent of ``latent_shape`` and text context of ``txt`` x ``text_width`` (batch 1), timestep 0.5, no
+    pooled vector or guidance, in ``dtype``: ``bench_flux_step.step_time``'s arguments."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(1, *latent_shape, generator=gen, device=device).to(dtype)
+    ctx = torch.randn(1, txt, text_width, generator=gen, device=device).to(dtype)
+    return x, torch.full((1,), 0.5, device=device, dtype=dtype), ctx, None, None
+
+
 def inputs(size: str, device: torch.device, dtype: torch.dtype, seed: int = 1):
     """Latent, timestep, text context (and no pooled vector or guidance: klein has neither) in the model's dtype."""
     s = SIZES[size]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(1, 128, s["side"], s["side"], generator=gen, device=device).to(dtype)
-    ctx = torch.randn(1, s["txt"], s["context_in_dim"], generator=gen, device=device).to(dtype)
-    return x, torch.full((1,), 0.5, device=device, dtype=dtype), ctx, None, None
+    return random_inputs((128, s["side"], s["side"]), s["txt"], s["context_in_dim"], device, dtype, seed)
 
 
 def parse_args(description: str, sizes: dict, default_size: str, argv=None) -> argparse.Namespace:
@@ -101,15 +109,19 @@ def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dic
     device = torch.device(args.device)
     base = build_model()
     step_args = step_inputs(base.model.get_dtype())  # bf16 on a GPU (fp32 on the CPU)
-    models = {"bf16": base}
+    models, built_by = {"bf16": base}, {"bf16": "bf16"}
+    quantized = {}  # one model per format and fusion flags (+attn only changes the attention a step runs)
     for mode in args.modes:
         fmt, *flags = mode.split("+")
         if fmt == "bf16":
-            models[mode] = base
+            models[mode], built_by[mode] = base, "bf16"
             continue
-        with mock.patch.object(comfy_ops, swiglu_class, lambda: None) if "noswiglu" in flags \
-                else contextlib.nullcontext():  # +noswiglu: the model's SwiGLU modules keep their own class
-            models[mode] = quantize_model(base, Policy(mode=fmt), fuse_inputs="unfused" not in flags)
+        key = (fmt, frozenset(flags) - {"attn"})
+        if key not in quantized:
+            with mock.patch.object(comfy_ops, swiglu_class, lambda: None) if "noswiglu" in flags \
+                    else contextlib.nullcontext():  # +noswiglu: the model's SwiGLU modules keep their own class
+                quantized[key] = (mode, quantize_model(base, Policy(mode=fmt), fuse_inputs="unfused" not in flags))
+        built_by[mode], models[mode] = quantized[key]
     comfy.model_management.load_models_gpu(list({id(m): m for m in models.values()}.values()))  # all resident
     # +attn: the Attention Backend (LowBit) node's override, one chooser per mode
     options = {mode: bench.attention_options("auto") if "attn" in mode.split("+")[1:] else None for mode in models}
@@ -125,7 +137,8 @@ def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dic
     rows = []
     for mode, model in models.items():
         step_s = statistics.median(times[mode])
-        rows.append({"mode": mode, "step_s": step_s, "rounds_s": times[mode], "speedup": bf16_s / step_s,
+        rows.append({"mode": mode, "model": built_by[mode], "step_s": step_s, "rounds_s": times[mode],
+                     "speedup": bf16_s / step_s,
                      "rel_err": bench.rel_err(outputs[mode], outputs["bf16"])})
         if args.profile:
             from profile_flux_step import profile_step

@@ -48,11 +48,8 @@ def build(size: str, device: torch.device):
 
 def inputs(size: str, device: torch.device, dtype: torch.dtype, seed: int = 1):
     s = SIZES[size]
-    cap_feat_dim = s.get("cap_feat_dim", 64)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(1, 16, s["side"], s["side"], generator=gen, device=device).to(dtype)
-    ctx = torch.randn(1, s["txt"], cap_feat_dim, generator=gen, device=device).to(dtype)
-    return x, torch.full((1,), 0.5, device=device, dtype=dtype), ctx, None, None
+    return fused_step.random_inputs((16, s["side"], s["side"]), s["txt"], s.get("cap_feat_dim", 64), device, dtype,
+                                    seed)
 
 
 def with_text_tokens(dm, tokens: int):
