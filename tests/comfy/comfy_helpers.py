@@ -491,6 +491,19 @@ class TritonFirst(dispatch.Dispatcher):
 
 # ---- inputs computed inside the activation quantization ---------------------------------------------
 
+def quantized_with_deferring(float_model, fmt: str, cls: type, mixin: type):
+    """``float_model`` quantized to ``fmt`` by Quantize Model's core, and its modules of class ``cls``: every one
+    swapped to the deferring ``mixin``, none of the float model's (the swap is per model)."""
+    from lowbit.nodes.model_quant import quantize_model
+    from lowbit.quant.policy import Policy
+
+    model = quantize_model(float_model, Policy(mode=fmt))
+    found = [m for m in model.model.diffusion_model.modules() if isinstance(m, cls)]
+    assert found and all(isinstance(m, mixin) for m in found)
+    assert not any(isinstance(m, mixin) for m in float_model.model.diffusion_model.modules())
+    return model, found
+
+
 def fused_and_unfused(model, run, monkeypatch):
     """``run(model)`` with every call computed as written, then twice with the fused plans settled: (unfused, the
     first fused run, the second, a count of the second's prologue kinds, and per fused call (share of codes

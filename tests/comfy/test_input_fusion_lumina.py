@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, load_tiny_zimage, require_comfy,
-                           run_zimage)
+from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, load_tiny_zimage,
+                           quantized_with_deferring, require_comfy, run_zimage)
 
 require_comfy()
 
@@ -38,19 +38,12 @@ def zimage():
     return model, run_zimage(model)
 
 
-def _feed_forwards(diffusion_model) -> list:
-    return [m for m in diffusion_model.modules() if isinstance(m, lumina_model.FeedForward)]
-
-
 @pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise"))  # the 4-bit fused paths: tests/test_input_fusion.py
 def test_zimage_gated_mlps_are_computed_inside_the_activation_quantization(zimage, fmt, monkeypatch):
     float_model, float_output = zimage
-    model = quantize_model(float_model, Policy(mode=fmt))
+    model, ffns = quantized_with_deferring(float_model, fmt, lumina_model.FeedForward, DeferredGatedFeedForwardMixin)
     dm = model.model.diffusion_model
-    ffns = _feed_forwards(dm)
     assert len(ffns) == len(dm.layers) + len(dm.noise_refiner) + len(dm.context_refiner)
-    assert all(isinstance(m, DeferredGatedFeedForwardMixin) for m in ffns)
-    assert not any(isinstance(m, DeferredGatedFeedForwardMixin) for m in float_model.model.diffusion_model.modules())
 
     unfused, first, fused, prologues, differing = fused_and_unfused(model, run_zimage, monkeypatch)
     # every FeedForward's w2 takes the gating uncomputed (the refiners' w2 too: the preset quantizes them)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, load_tiny_qwen, require_comfy,
-                           run_qwen)
+from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, load_tiny_qwen,
+                           quantized_with_deferring, require_comfy, run_qwen)
 
 require_comfy()
 
@@ -24,9 +24,7 @@ import comfy.ldm.qwen_image.model as qwen_model  # noqa: E402
 
 from kernels_helpers import needs_triton_interpreter  # noqa: E402
 from lowbit.nodes.comfy_ops import DeferredProjGELUMixin  # noqa: E402
-from lowbit.nodes.model_quant import quantize_model  # noqa: E402
 from lowbit.quant.deferred import DeferredInput, materialize  # noqa: E402
-from lowbit.quant.policy import Policy  # noqa: E402
 
 pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
 
@@ -37,19 +35,12 @@ def qwen():
     return model, run_qwen(model)
 
 
-def _gelus(diffusion_model) -> list:
-    return [m for m in diffusion_model.modules() if isinstance(m, qwen_model.GELU)]
-
-
 @pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise"))  # the 4-bit fused paths: tests/test_input_fusion.py
 def test_qwen_mlps_and_norms_are_computed_inside_the_activation_quantization(qwen, fmt, monkeypatch):
     float_model, float_output = qwen
-    model = quantize_model(float_model, Policy(mode=fmt))
+    model, gelus = quantized_with_deferring(float_model, fmt, qwen_model.GELU, DeferredProjGELUMixin)
     dm = model.model.diffusion_model
-    gelus = _gelus(dm)
     assert len(gelus) == 2 * len(dm.transformer_blocks)  # the image and the text MLP of every block
-    assert all(isinstance(m, DeferredProjGELUMixin) for m in gelus)
-    assert not any(isinstance(m, DeferredProjGELUMixin) for m in float_model.model.diffusion_model.modules())
 
     unfused, first, fused, prologues, differing = fused_and_unfused(model, run_qwen, monkeypatch)
     blocks = len(dm.transformer_blocks)
