@@ -163,3 +163,30 @@ def decode_w4a8_levels(packed: torch.Tensor, s_rel: torch.Tensor, codebook: torc
     values = values.view(n, k // group_size, group_size) * s_rel.float().unsqueeze(-1)
     return values.view(n, k).round().clamp(-127, 127).to(torch.int8)
 
+
+
+def rope_reference(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[B, H, S, D]``) rotated by Flux's RoPE matrices ``freqs`` (``[Bf, 1, Sf, D / 2, 2, 2]``, the first
+    ``S`` rows used), in fp32: ``out[2i + r] = f[i, r, 0] x[2i] + f[i, r, 1] x[2i + 1]``."""
+    f = freqs[:, :, : x.shape[2]].float() if freqs.shape[2] != 1 else freqs.float()
+    pairs = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+    return (f[..., 0] * pairs[..., 0] + f[..., 1] * pairs[..., 1]).reshape(x.shape).to(x.dtype)
+
+
+def joint_qkv_reference(parts, heads: int, freqs: torch.Tensor | None):
+    """The definition of ``kernels/triton_joint_heads.py``: each stream's ``[B, S, H * D]`` projections viewed as
+    ``[B, H, S, D]`` heads, q and k RMS-normalized over ``D`` (``F.rms_norm``: normalized in fp32, rounded, times
+    the weight), the streams concatenated along the sequence in order, q and k rotated (:func:`rope_reference`)."""
+    def as_heads(t):
+        return t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2)
+
+    def normed(t, norm, weight, eps):
+        t = as_heads(t)
+        return torch.nn.functional.rms_norm(t, (t.shape[-1],), weight, eps) if norm else t
+
+    q = torch.cat([normed(p.q, p.q_norm, p.q_weight, p.q_eps) for p in parts], dim=2)
+    k = torch.cat([normed(p.k, p.k_norm, p.k_weight, p.k_eps) for p in parts], dim=2)
+    v = torch.cat([as_heads(p.v) for p in parts], dim=2)
+    if freqs is not None:
+        q, k = rope_reference(q, freqs), rope_reference(k, freqs)
+    return q, k, v
