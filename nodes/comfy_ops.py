@@ -55,6 +55,7 @@ from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatErro
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.layouts.base import form_prologue_linear, form_settled_linear
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
+from .joint_attention import FusedJointAttentionMixin, joint_attention_classes
 
 log = logging.getLogger(__name__)
 
@@ -757,7 +758,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
 
     Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation``, Lumina
     ``FeedForward`` (Lumina 2, Z-Image; where ComfyUI has them: the gating of the latter) and GELU module with its
-    own projection (Qwen-Image's ``GELU``, LTX's ``GELU_approx``: ``gelu(proj(x))``) and of every LayerNorm
+    own projection (Qwen-Image's ``GELU``, LTX's ``GELU_approx``: ``gelu(proj(x))``), of Qwen-Image's joint
+    ``Attention`` (its q, k, v made in one pass: ``nodes/joint_attention.py``) and of every LayerNorm
     without weights whose class computes plain ``F.layer_norm`` (torch's, ComfyUI's ops) to a per-model subclass
     (``classes``: the caller's per-model cache; nothing global changes). Their outputs become deferred inputs
     (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation quantization;
@@ -767,6 +769,7 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     norm_forwards = _layer_norm_forwards()
     swiglu, gated_ffn = _swiglu_activation_class(), _gated_feed_forward_class()
     proj_gelus = _proj_gelu_classes() or frozenset()
+    joint_attentions = joint_attention_classes() or frozenset()
     swapped = 0
     for module in diffusion_model.modules():
         cls = type(module)
@@ -778,6 +781,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
             module.__class__ = _deferring_class(cls, DeferredGatedFeedForwardMixin, classes)
         elif cls in proj_gelus:
             module.__class__ = _deferring_class(cls, DeferredProjGELUMixin, classes)
+        elif cls in joint_attentions:
+            module.__class__ = _deferring_class(cls, FusedJointAttentionMixin, classes)
         elif (isinstance(module, torch.nn.LayerNorm) and not isinstance(module, DeferredLayerNormMixin)
               and cls.forward in norm_forwards and module.weight is None and module.bias is None):
             module.__class__ = _deferring_class(cls, DeferredLayerNormMixin, classes)

@@ -1,0 +1,176 @@
+"""Qwen-Image's joint attention with its q, k and v made in one pass (``kernels/joint_heads.py``).
+
+ComfyUI's Qwen-Image ``Attention.forward`` projects both streams, then views the projections as heads (a copy each
+for q and k), normalizes q and k per head (four RMSNorms), concatenates the streams (three copies) and rotates q
+and k (RoPE): about a dozen launches and three to five passes over each of the six projections, a fifth of a
+quantized 20B step's GPU time. :func:`install_input_fusion` (``nodes/comfy_ops.py``) swaps such modules, per
+model, to a subclass whose forward makes q, k, v with :func:`kernels.joint_heads.joint_qkv` (one launch per
+stream) and is otherwise ComfyUI's: the same projections in the same order, the same mask, the same
+``optimized_attention_masked`` call (so attention overrides still apply), the same output projections.
+
+It runs ComfyUI's own forward instead where the kernel cannot run (no Triton, the CPU without the interpreter),
+while ``torch.compile`` traces (Inductor fuses these ops itself), where ``attn1_patch`` patches are set (they see
+the joined q, k, v before the rotation), and where a norm is not plain RMSNorm or has weight patches.
+:func:`joint_attention_class` checks once, on a small instance, that this ComfyUI's forward computes what the fused
+one computes; where it does not (another version's forward), modules keep their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+
+import torch
+
+import comfy.ops
+
+from ..kernels.joint_heads import JointPart, joint_qkv
+from ..kernels.backend import triton_problem
+
+log = logging.getLogger(__name__)
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+
+
+def _rms_norm_forwards() -> set:
+    forwards = {torch.nn.RMSNorm.forward}
+    comfy_norm = getattr(getattr(comfy.ops, "disable_weight_init", None), "RMSNorm", None)
+    if comfy_norm is not None:
+        forwards.add(comfy_norm.forward)
+    return forwards
+
+
+def _plain_norm(norm) -> bool:
+    """Whether ``norm`` is a plain RMSNorm over one dimension without weight patches (what the kernel stands for)."""
+    return (type(norm).forward in _rms_norm_forwards() and not getattr(norm, "weight_function", None)
+            and not getattr(norm, "bias_function", None) and len(norm.normalized_shape) == 1)
+
+
+def _cast_weight(norm, like: torch.Tensor):
+    """``(weight, release)``: the norm's weight cast as ComfyUI's RMSNorm casts it (``release`` for
+    ``uncast_bias_weight``, or ``None``)."""
+    if norm.weight is not None and getattr(norm, "comfy_cast_weights", False):
+        weight, bias, stream = comfy.ops.cast_bias_weight(norm, like, offloadable=True)
+        return weight, (norm, weight, bias, stream)
+    return norm.weight, None
+
+
+def _eps(norm, like: torch.Tensor) -> float:
+    return norm.eps if norm.eps is not None else torch.finfo(like.dtype).eps
+
+
+def fused_joint_attention(module, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                          image_rotary_emb, transformer_options, *, reference: bool = False):
+    """What ComfyUI's Qwen-Image ``Attention.forward`` returns, with q, k, v from :func:`joint_qkv`, or ``None``
+    where the fused path does not apply (see the module docstring). ``reference`` runs the kernel's pure-torch
+    definition and skips the checks of where the kernel runs (the install-time check)."""
+    if encoder_hidden_states is None or "attn1_patch" in transformer_options.get("patches", {}):
+        return None
+    if not reference and (_is_compiling() or triton_problem(hidden_states.device) is not None
+                          or hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+        return None
+    heads = module.heads
+    norms = [getattr(module, name) for name in _NORMS]
+    if not all(_plain_norm(norm) and tuple(norm.normalized_shape) == (module.inner_dim // heads,) for norm in norms):
+        return None
+    img = [getattr(module, name)(hidden_states) for name in _PROJECTIONS[:3]]
+    txt = [getattr(module, name)(encoder_hidden_states) for name in _PROJECTIONS[3:]]
+    run_every_op = getattr(comfy.ops, "run_every_op", None)
+    if run_every_op is not None:  # what ComfyUI's RMSNorm calls first
+        run_every_op()
+    casts = [_cast_weight(norm, img[0]) for norm in norms]
+    try:
+        (wq, _), (wk, _), (waq, _), (wak, _) = casts
+        parts = (JointPart(*txt, q_weight=waq, k_weight=wak, q_eps=_eps(norms[2], txt[0]),
+                           k_eps=_eps(norms[3], txt[0])),
+                 JointPart(*img, q_weight=wq, k_weight=wk, q_eps=_eps(norms[0], img[0]), k_eps=_eps(norms[1], img[0])))
+        q, k, v = joint_qkv(parts, heads, image_rotary_emb, reference=reference)
+    finally:
+        for _, release in casts:
+            if release is not None:
+                comfy.ops.uncast_bias_weight(*release)
+    return _attend(module, q, k, v, hidden_states.shape[1], encoder_hidden_states.shape[1],
+                   encoder_hidden_states_mask, hidden_states, transformer_options)
+
+
+def _attend(module, q, k, v, seq_img, seq_txt, txt_mask, hidden_states, transformer_options):
+    """ComfyUI's steps after q, k, v: the text mask, ``optimized_attention_masked`` (looked up in the model's own
+    module, as its forward does), the streams split and projected out."""
+    base = _model_module(type(module))
+    batch = hidden_states.shape[0]
+    attn_mask = None
+    if txt_mask is not None:
+        attn_mask = torch.zeros((batch, 1, seq_txt + seq_img), dtype=hidden_states.dtype, device=hidden_states.device)
+        attn_mask[:, 0, :seq_txt] = txt_mask
+    joint = base.optimized_attention_masked(q, k, v, module.heads, attn_mask, transformer_options=transformer_options,
+                                            skip_reshape=True)
+    img_out = module.to_out[1](module.to_out[0](joint[:, seq_txt:, :]))
+    return img_out, module.to_add_out(joint[:, :seq_txt, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _model_module(cls: type):
+    """The module of the first class in ``cls``'s MRO whose module defines ``optimized_attention_masked``: the
+    model's own (``comfy.ldm.qwen_image.model``), whose attention function its forward calls."""
+    for c in cls.__mro__:
+        module = sys.modules.get(c.__module__)
+        if hasattr(module, "optimized_attention_masked"):
+            return module
+    raise TypeError(f"{cls.__name__} is not an attention of a ComfyUI model module")
+
+
+class FusedJointAttentionMixin:
+    """Qwen-Image's ``Attention`` whose q, k, v are made in one pass where it can (module docstring)."""
+
+    def forward(self, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                attention_mask=None, image_rotary_emb=None, transformer_options={}):
+        out = fused_joint_attention(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                                    image_rotary_emb, transformer_options)
+        if out is None:
+            return super().forward(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
+                                   image_rotary_emb, transformer_options)
+        return out
+
+
+#: ComfyUI's joint attentions of this layout: (module, class name)
+_JOINT_ATTENTIONS = (("comfy.ldm.qwen_image.model", "Attention"),)
+
+
+@functools.lru_cache(maxsize=None)
+def joint_attention_classes() -> frozenset:
+    """Those of ``_JOINT_ATTENTIONS`` this ComfyUI has whose forward gives, on a small random instance with a text
+    mask, in fp32, what :func:`fused_joint_attention` gives (its pure-torch definition of q, k, v)."""
+    found = []
+    for module_name, name in _JOINT_ATTENTIONS:
+        try:
+            cls = getattr(importlib.import_module(module_name), name)
+            if _agrees(cls):
+                found.append(cls)
+            else:
+                log.info("LowBit: this ComfyUI's %s.%s computes something else; its q, k, v stay unfused",
+                         module_name, name)
+        except Exception as err:  # absent, or another signature: such modules keep their own forward
+            log.debug("LowBit: %s.%s not fused (%s: %s)", module_name, name, type(err).__name__, err)
+    return frozenset(found)
+
+
+def _agrees(cls) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    heads, d = 2, 16
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        module = cls(query_dim=32, dim_head=d, heads=heads, out_dim=32, bias=True, eps=1e-6, operations=torch.nn)
+        for norm in _NORMS:
+            getattr(module, norm).weight.copy_(torch.rand(d, generator=gen) + 0.5)
+        for name, p in module.named_parameters():
+            if not name.startswith("norm"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        x, txt = torch.randn(1, 5, 32, generator=gen), torch.randn(1, 3, 32, generator=gen)
+        freqs = torch.randn(1, 1, 8, d // 2, 2, 2, generator=gen)
+        mask = torch.tensor([[0.0, 0.0, -1e4]])
+        want = module(x, txt, mask, image_rotary_emb=freqs, transformer_options={})
+        got = fused_joint_attention(module, x, txt, mask, freqs, {}, reference=True)
+    return got is not None and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(want, got))
