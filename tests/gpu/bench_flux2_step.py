@@ -75,7 +75,8 @@ def inputs(size: str, device: torch.device, dtype: torch.dtype, seed: int = 1):
     return random_inputs((128, s["side"], s["side"]), s["txt"], s["context_in_dim"], device, dtype, seed)
 
 
-def parse_args(description: str, sizes: dict, default_size: str, argv=None) -> argparse.Namespace:
+def parse_args(description: str, sizes: dict, default_size: str, argv=None, extra_flags=(),
+               float_flags=()) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--size", choices=sorted(sizes), default=default_size)
     p.add_argument("--modes", nargs="+", default=["int8_convrot", "int8_convrot+unfused"])
@@ -88,17 +89,23 @@ def parse_args(description: str, sizes: dict, default_size: str, argv=None) -> a
     args = p.parse_args(argv)
     for mode in args.modes:
         flags = mode.split("+")[1:]
-        if len(set(flags)) != len(flags) or not set(flags) <= {"unfused", "noswiglu", "attn"} \
-                or {"unfused", "noswiglu"} <= set(flags) or (mode.split("+")[0] == "bf16" and flags != ["attn"]):
+        bf16 = mode.split("+")[0] == "bf16"
+        if len(set(flags)) != len(flags) or not set(flags) <= {"unfused", "noswiglu", "attn", *extra_flags} | (
+                set(float_flags) if bf16 else set()) \
+                or {"unfused", "noswiglu"} <= set(flags) or (bf16 and not flags) \
+                or (bf16 and not set(flags) <= {"attn", *float_flags}) or (not bf16 and set(flags) & set(float_flags)):
             p.error(f"a mode is a format, optionally +unfused or +noswiglu, and +attn (bf16: only +attn); got {mode!r}")
     return args
 
 
-def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dict, call=None) -> int:
+def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dict, call=None,
+                  flag_patches=None, float_flags=None) -> int:
     """The shared body of the fused-step benches: ``build_model()`` (a ModelPatcher, after ComfyUI is imported),
     ``step_inputs(dtype)`` (``bench_flux_step.step_time``'s arguments), ``swiglu_class`` (the ``comfy_ops`` function
     whose ``None`` keeps the model's SwiGLU modules in their own class: ``+noswiglu``), ``call`` (``diffusion model ->
-    callable`` taking ``step_time``'s arguments, where the model's forward takes others)."""
+    callable`` taking ``step_time``'s arguments, where the model's forward takes others), ``flag_patches`` (a mode flag
+    -> ``(comfy_ops function, its stand-in)`` while that mode's model is quantized: ``parse_args``' ``extra_flags``),
+    ``float_flags`` (a flag of bf16 modes -> ``diffusion model -> context manager`` around each of its steps)."""
     bench.import_comfy(args.device)
     import comfy.model_management
 
@@ -118,8 +125,12 @@ def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dic
             continue
         key = (fmt, frozenset(flags) - {"attn"})
         if key not in quantized:
-            with mock.patch.object(comfy_ops, swiglu_class, lambda: None) if "noswiglu" in flags \
-                    else contextlib.nullcontext():  # +noswiglu: the model's SwiGLU modules keep their own class
+            with contextlib.ExitStack() as stack:
+                if "noswiglu" in flags:  # the model's SwiGLU modules keep their own class
+                    stack.enter_context(mock.patch.object(comfy_ops, swiglu_class, lambda: None))
+                for flag, (name, stand_in) in (flag_patches or {}).items():
+                    if flag in flags:
+                        stack.enter_context(mock.patch.object(comfy_ops, name, stand_in))
                 quantized[key] = (mode, quantize_model(base, Policy(mode=fmt), fuse_inputs="unfused" not in flags))
         built_by[mode], models[mode] = quantized[key]
     comfy.model_management.load_models_gpu(list({id(m): m for m in models.values()}.values()))  # all resident
@@ -127,11 +138,20 @@ def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dic
     options = {mode: bench.attention_options("auto") if "attn" in mode.split("+")[1:] else None for mode in models}
     times = {mode: [] for mode in models}
     outputs = {}
+    def around(mode, dm):  # a bf16 mode's float flags (the same model, something swapped for its steps)
+        stack = contextlib.ExitStack()
+        if mode.split("+")[0] == "bf16":
+            for flag, context in (float_flags or {}).items():
+                if flag in mode.split("+")[1:]:
+                    stack.enter_context(context(dm))
+        return stack
+
     for _ in range(args.rounds):  # every mode once a round, in turn: a slow phase of the machine hits all alike
         for mode, model in models.items():
             dm = model.model.diffusion_model
-            step_s, outputs[mode] = bench.step_time(dm if call is None else call(dm), step_args, device, args.iters,
-                                                    options[mode])
+            with around(mode, dm):
+                step_s, outputs[mode] = bench.step_time(dm if call is None else call(dm), step_args, device,
+                                                        args.iters, options[mode])
             times[mode].append(step_s)
     bf16_s = statistics.median(times["bf16"])
     rows = []
@@ -147,7 +167,8 @@ def compare_modes(args, build_model, step_inputs, swiglu_class: str, report: dic
             fn = dm if call is None else call(dm)
             x, t, ctx, y, g = step_args
             opts = {"transformer_options": dict(options[mode])} if options[mode] else {}
-            rows[-1]["profile"] = profile_step(lambda: fn(x, t, ctx, y=y, guidance=g, **opts), device)
+            with around(mode, dm):
+                rows[-1]["profile"] = profile_step(lambda: fn(x, t, ctx, y=y, guidance=g, **opts), device)
         if options[mode]:
             rows[-1]["attention"] = bench.attention_report(options[mode])
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"} |

@@ -10,12 +10,15 @@ of 128, MLP 12288, a 3584-wide Qwen2.5-VL text; built from a random bf16 state d
 matrices N(0, 1 / fan-in), RMSNorm scales 1, other vectors N(0, 0.02^2)) is run at 1024x1024 (a 128x128 latent of
 16 channels, one frame: 4096 image tokens) with 256 text tokens, batch 1, eager. Modes, rounds and the report as
 ``bench_flux2_step.py``: ``+unfused`` computes every input as written; ``+noswiglu`` keeps the MLPs' ``GELU``
-modules (``gelu(proj(x))``, tanh) as written, the norms fused (the GELU's share of the fusion). The tiny size is
+modules (``gelu(proj(x))``, tanh) as written, the norms fused (the GELU's share of the fusion); ``+noqkv`` keeps
+ComfyUI's own attention forward (its q, k, v not made in one pass: ``nodes/joint_attention.py``); ``bf16+qkv`` runs
+the bf16 model with that one-pass attention (its ``Attention`` modules swapped for its steps only). The tiny size is
 ``tests/comfy``'s Qwen-Image layout at width 256.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -56,12 +59,33 @@ def inputs(size: str, device: torch.device, dtype: torch.dtype, seed: int = 1):
                                     dtype, seed)
 
 
+@contextlib.contextmanager
+def one_pass_attention(diffusion_model):
+    """The model's Qwen-Image ``Attention`` modules in LowBit's one-pass class while the block runs, then back."""
+    from lowbit.nodes.comfy_ops import _deferring_class
+    from lowbit.nodes.joint_attention import FusedJointAttentionMixin, joint_attention_classes
+
+    classes, swapped = {}, []
+    for module in diffusion_model.modules():
+        if type(module) in joint_attention_classes():
+            swapped.append((module, type(module)))
+            module.__class__ = _deferring_class(type(module), FusedJointAttentionMixin, classes)
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
 def main(argv=None) -> int:
-    args = fused_step.parse_args(__doc__.split("\n\n")[0], SIZES, "20b", argv)
+    args = fused_step.parse_args(__doc__.split("\n\n")[0], SIZES, "20b", argv, extra_flags=("noqkv",),
+                                 float_flags=("qkv",))
     device = torch.device(args.device)
     return fused_step.compare_modes(args, lambda: build(args.size, device),
                                     lambda dtype: inputs(args.size, device, dtype), "_proj_gelu_classes",
-                                    {"size": args.size, **SIZES[args.size]})
+                                    {"size": args.size, **SIZES[args.size]},
+                                    flag_patches={"noqkv": ("joint_attention_classes", frozenset)},
+                                    float_flags={"qkv": one_pass_attention})
 
 
 if __name__ == "__main__":
