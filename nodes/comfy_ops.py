@@ -55,7 +55,7 @@ from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatErro
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.layouts.base import form_prologue_linear, form_settled_linear
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
-from .joint_attention import FusedJointAttentionMixin, joint_attention_classes
+from .joint_attention import FusedJointAttentionMixin, joint_attention_classes, norm_forwards
 
 log = logging.getLogger(__name__)
 
@@ -736,15 +736,6 @@ def _swiglu_activation_class() -> type | None:
     return cls if ok else None
 
 
-def _layer_norm_forwards() -> set:
-    """The LayerNorm forwards that compute exactly ``F.layer_norm`` (what a deferral stands for)."""
-    forwards = {torch.nn.LayerNorm.forward}
-    comfy_norm = getattr(getattr(comfy.ops, "disable_weight_init", None), "LayerNorm", None)
-    if comfy_norm is not None:
-        forwards.add(comfy_norm.forward)
-    return forwards
-
-
 def _deferring_class(base: type, mixin: type, classes: dict[type, type]) -> type:
     cls = classes.get(base)
     if cls is None:
@@ -766,7 +757,7 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     anything else gets the computed tensor. Subclasses with forwards of their own
     (e.g. a norm that upcasts) are left alone. Returns how many modules were swapped (0 on a second call).
     """
-    norm_forwards = _layer_norm_forwards()
+    layer_norm_forwards = norm_forwards(torch.nn.LayerNorm)
     swiglu, gated_ffn = _swiglu_activation_class(), _gated_feed_forward_class()
     proj_gelus = _proj_gelu_classes() or frozenset()
     joint_attentions = joint_attention_classes() or frozenset()
@@ -784,7 +775,7 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
         elif cls in joint_attentions:
             module.__class__ = _deferring_class(cls, FusedJointAttentionMixin, classes)
         elif (isinstance(module, torch.nn.LayerNorm) and not isinstance(module, DeferredLayerNormMixin)
-              and cls.forward in norm_forwards and module.weight is None and module.bias is None):
+              and cls.forward in layer_norm_forwards and module.weight is None and module.bias is None):
             module.__class__ = _deferring_class(cls, DeferredLayerNormMixin, classes)
         else:
             continue

@@ -36,17 +36,20 @@ _NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 _PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 
 
-def _rms_norm_forwards() -> set:
-    forwards = {torch.nn.RMSNorm.forward}
-    comfy_norm = getattr(getattr(comfy.ops, "disable_weight_init", None), "RMSNorm", None)
+@functools.lru_cache(maxsize=None)
+def norm_forwards(torch_norm: type) -> frozenset:
+    """The forwards of ``torch_norm`` (``nn.LayerNorm``, ``nn.RMSNorm``) and of ComfyUI's ops class of that name:
+    the ones that compute exactly the plain ``F.layer_norm`` / ``F.rms_norm`` a fused path stands for."""
+    forwards = {torch_norm.forward}
+    comfy_norm = getattr(getattr(comfy.ops, "disable_weight_init", None), torch_norm.__name__, None)
     if comfy_norm is not None:
         forwards.add(comfy_norm.forward)
-    return forwards
+    return frozenset(forwards)
 
 
 def _plain_norm(norm) -> bool:
     """Whether ``norm`` is a plain RMSNorm over one dimension without weight patches (what the kernel stands for)."""
-    return (type(norm).forward in _rms_norm_forwards() and not getattr(norm, "weight_function", None)
+    return (type(norm).forward in norm_forwards(torch.nn.RMSNorm) and not getattr(norm, "weight_function", None)
             and not getattr(norm, "bias_function", None) and len(norm.normalized_shape) == 1)
 
 
@@ -70,6 +73,8 @@ def fused_joint_attention(module, hidden_states, encoder_hidden_states, encoder_
     definition and skips the checks of where the kernel runs (the install-time check)."""
     if encoder_hidden_states is None or "attn1_patch" in transformer_options.get("patches", {}):
         return None
+    if encoder_hidden_states_mask is not None and encoder_hidden_states_mask.dim() != 2:
+        return None  # the text mask [B, S_txt] is the one this forward expands; other masks are ComfyUI's to read
     if not reference and (_is_compiling() or triton_problem(hidden_states.device) is not None
                           or hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         return None
@@ -143,7 +148,7 @@ _JOINT_ATTENTIONS = (("comfy.ldm.qwen_image.model", "Attention"),)
 @functools.lru_cache(maxsize=None)
 def joint_attention_classes() -> frozenset:
     """Those of ``_JOINT_ATTENTIONS`` this ComfyUI has whose forward gives, on a small random instance with a text
-    mask, in fp32, what :func:`fused_joint_attention` gives (its pure-torch definition of q, k, v)."""
+    mask and without one, in fp32, what :func:`fused_joint_attention` gives (its pure-torch definition of q, k, v)."""
     found = []
     for module_name, name in _JOINT_ATTENTIONS:
         try:
@@ -170,7 +175,9 @@ def _agrees(cls) -> bool:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         x, txt = torch.randn(1, 5, 32, generator=gen), torch.randn(1, 3, 32, generator=gen)
         freqs = torch.randn(1, 1, 8, d // 2, 2, 2, generator=gen)
-        mask = torch.tensor([[0.0, 0.0, -1e4]])
-        want = module(x, txt, mask, image_rotary_emb=freqs, transformer_options={})
-        got = fused_joint_attention(module, x, txt, mask, freqs, {}, reference=True)
-    return got is not None and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(want, got))
+        for mask in (torch.tensor([[0.0, 0.0, -1e4]]), None):
+            want = module(x, txt, mask, image_rotary_emb=freqs, transformer_options={})
+            got = fused_joint_attention(module, x, txt, mask, freqs, {}, reference=True)
+            if got is None or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(want, got)):
+                return False
+    return True

@@ -4,8 +4,8 @@ On a model LowBit quantized, ComfyUI's Qwen-Image ``Attention`` modules are swap
 forward makes the heads, the four q/k RMSNorms, the text + image concatenation and the RoPE of q and k in one
 kernel launch per stream (``kernels/triton_joint_heads.py``; the CPU interpreter, or the GPU with
 ``LOWBIT_TEST_DEVICE=cuda``) and is otherwise ComfyUI's. Its output is that of ComfyUI's forward on the same
-quantized model; ``attn1_patch`` patches and patched norm weights get ComfyUI's own forward; a class whose
-forward computes something else is not swapped.
+quantized model; ``attn1_patch`` patches, patched norm weights and masks other than the text mask get ComfyUI's
+own forward; a class whose forward computes something else is not swapped.
 """
 
 from __future__ import annotations
@@ -147,3 +147,8 @@ def test_only_attentions_whose_forward_agrees_are_swapped():
     assert install_input_fusion(model, {}) == 1
     assert [isinstance(m, FusedJointAttentionMixin) for m in model] == [True, False]
     assert joint_attention._model_module(type(model[0])) is qwen_model
+    # a mask other than the text mask [B, S_txt] (a newer ComfyUI's joint mask) is left to ComfyUI's forward
+    x, txt, freqs = torch.randn(1, 5, 64), torch.randn(1, 3, 64), torch.randn(1, 1, 8, 16, 2, 2)
+    assert joint_attention.fused_joint_attention(model[0], x, txt, torch.zeros(1, 3), freqs, {}, reference=True)
+    assert joint_attention.fused_joint_attention(model[0], x, txt, torch.zeros(1, 1, 8, 8), freqs, {},
+                                                 reference=True) is None
