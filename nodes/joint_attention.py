@@ -10,9 +10,10 @@ stream) and is otherwise ComfyUI's: the same projections in the same order, the 
 
 It runs ComfyUI's own forward instead where the kernel cannot run (no Triton, the CPU without the interpreter),
 while ``torch.compile`` traces (Inductor fuses these ops itself), where ``attn1_patch`` patches are set (they see
-the joined q, k, v before the rotation), and where a norm is not plain RMSNorm or has weight patches.
-:func:`joint_attention_class` checks once, on a small instance, that this ComfyUI's forward computes what the fused
-one computes; where it does not (another version's forward), modules keep their own.
+the joined q, k, v before the rotation), where a norm is not plain RMSNorm or has weight patches, and for a call
+without rotary matrices or with a mask other than the ``[B, S_txt]`` text mask.
+:func:`joint_attention_classes` checks once, on a small instance, that this ComfyUI's forward computes what the
+fused one computes; where it does not (another version's forward), modules keep their own.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def fused_joint_attention(module, hidden_states, encoder_hidden_states, encoder_
     """What ComfyUI's Qwen-Image ``Attention.forward`` returns, with q, k, v from :func:`joint_qkv`, or ``None``
     where the fused path does not apply (see the module docstring). ``reference`` runs the kernel's pure-torch
     definition and skips the checks of where the kernel runs (the install-time check)."""
-    if encoder_hidden_states is None or "attn1_patch" in transformer_options.get("patches", {}):
+    if (encoder_hidden_states is None or image_rotary_emb is None
+            or "attn1_patch" in transformer_options.get("patches", {})):
         return None
     if encoder_hidden_states_mask is not None and encoder_hidden_states_mask.dim() != 2:
         return None  # the text mask [B, S_txt] is the one this forward expands; other masks are ComfyUI's to read

@@ -152,3 +152,4 @@ def test_only_attentions_whose_forward_agrees_are_swapped():
     assert joint_attention.fused_joint_attention(model[0], x, txt, torch.zeros(1, 3), freqs, {}, reference=True)
     assert joint_attention.fused_joint_attention(model[0], x, txt, torch.zeros(1, 1, 8, 8), freqs, {},
                                                  reference=True) is None
+    assert joint_attention.fused_joint_attention(model[0], x, txt, None, None, {}, reference=True) is None
