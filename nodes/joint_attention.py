@@ -8,7 +8,8 @@ model, to a subclass whose forward makes q, k, v with :func:`kernels.joint_heads
 stream) and is otherwise ComfyUI's: the same projections in the same order, the same mask, the same
 ``optimized_attention_masked`` call (so attention overrides still apply), the same output projections.
 
-It runs ComfyUI's own forward instead where the kernel cannot run (no Triton, the CPU without the interpreter),
+It runs ComfyUI's own forward instead where the kernel cannot run or is not the fast path (no Triton, the CPU
+unless the Triton backend is forced, another backend forced),
 while ``torch.compile`` traces (Inductor fuses these ops itself), where ``attn1_patch`` patches are set (they see
 the joined q, k, v before the rotation), where a norm is not plain RMSNorm or has weight patches, and for a call
 without rotary matrices or with a mask other than the ``[B, S_txt]`` text mask.
@@ -18,6 +19,7 @@ fused one computes; where it does not (another version's forward), modules keep 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -28,7 +30,7 @@ import torch
 import comfy.ops
 
 from ..kernels.joint_heads import JointPart, joint_qkv
-from ..kernels.backend import triton_problem
+from ..kernels.backend import Backend, active_backend, triton_problem
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +56,52 @@ def _plain_norm(norm) -> bool:
             and not getattr(norm, "bias_function", None) and len(norm.normalized_shape) == 1)
 
 
-def _cast_weight(norm, like: torch.Tensor):
-    """``(weight, release)``: the norm's weight cast as ComfyUI's RMSNorm casts it (``release`` for
-    ``uncast_bias_weight``, or ``None``)."""
-    if norm.weight is not None and getattr(norm, "comfy_cast_weights", False):
-        weight, bias, stream = comfy.ops.cast_bias_weight(norm, like, offloadable=True)
-        return weight, (norm, weight, bias, stream)
-    return norm.weight, None
+def plain_head_norms(norms, head_dim: int) -> bool:
+    """Whether every one of ``norms`` is a plain RMSNorm over ``head_dim`` without weight patches."""
+    return all(_plain_norm(norm) and tuple(norm.normalized_shape) == (head_dim,) for norm in norms)
 
 
-def _eps(norm, like: torch.Tensor) -> float:
+@contextlib.contextmanager
+def cast_norm_weights(norms, like: torch.Tensor):
+    """The norms' weights cast as ComfyUI's RMSNorm casts them (``cast_bias_weight`` where ``comfy_cast_weights``
+    is set, released on exit), after the ``run_every_op`` ComfyUI's RMSNorm calls first."""
+    run_every_op = getattr(comfy.ops, "run_every_op", None)
+    if run_every_op is not None:
+        run_every_op()
+    casts = []
+    try:
+        for norm in norms:
+            if norm.weight is not None and getattr(norm, "comfy_cast_weights", False):
+                weight, bias, stream = comfy.ops.cast_bias_weight(norm, like, offloadable=True)
+                casts.append((weight, (norm, weight, bias, stream)))
+            else:
+                casts.append((norm.weight, None))
+        yield [weight for weight, _ in casts]
+    finally:
+        for _, release in casts:
+            if release is not None:
+                comfy.ops.uncast_bias_weight(*release)
+
+
+def norm_eps(norm, like: torch.Tensor) -> float:
+    """The epsilon ``F.rms_norm`` uses for ``norm`` on inputs like ``like``."""
     return norm.eps if norm.eps is not None else torch.finfo(like.dtype).eps
+
+
+def one_pass_wanted(device: torch.device) -> bool:
+    """Whether the one-pass kernel is the path to take on ``device``: on a GPU unless another backend is forced
+    (``kernels.backend.force_backend``); on the CPU only with the Triton backend forced (the interpreter is a
+    correctness tool there, not a fast path, as for the linears)."""
+    backend = active_backend()
+    return backend is Backend.TRITON or (backend is Backend.AUTO and device.type != "cpu")
+
+
+def kernel_declines(x: torch.Tensor) -> bool:
+    """Whether a fused preparation leaves this call to ComfyUI's ops: ``torch.compile`` tracing (Inductor fuses these
+    ops itself; asked first, so that tracing reads nothing else), not :func:`one_pass_wanted`, no Triton for ``x``'s
+    device, or activations of another dtype."""
+    return (_is_compiling() or not one_pass_wanted(x.device) or triton_problem(x.device) is not None
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32))
 
 
 def fused_joint_attention(module, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
@@ -77,29 +114,19 @@ def fused_joint_attention(module, hidden_states, encoder_hidden_states, encoder_
         return None
     if encoder_hidden_states_mask is not None and encoder_hidden_states_mask.dim() != 2:
         return None  # the text mask [B, S_txt] is the one this forward expands; other masks are ComfyUI's to read
-    if not reference and (_is_compiling() or triton_problem(hidden_states.device) is not None
-                          or hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+    if not reference and kernel_declines(hidden_states):
         return None
     heads = module.heads
     norms = [getattr(module, name) for name in _NORMS]
-    if not all(_plain_norm(norm) and tuple(norm.normalized_shape) == (module.inner_dim // heads,) for norm in norms):
+    if not plain_head_norms(norms, module.inner_dim // heads):
         return None
     img = [getattr(module, name)(hidden_states) for name in _PROJECTIONS[:3]]
     txt = [getattr(module, name)(encoder_hidden_states) for name in _PROJECTIONS[3:]]
-    run_every_op = getattr(comfy.ops, "run_every_op", None)
-    if run_every_op is not None:  # what ComfyUI's RMSNorm calls first
-        run_every_op()
-    casts = [_cast_weight(norm, img[0]) for norm in norms]
-    try:
-        (wq, _), (wk, _), (waq, _), (wak, _) = casts
-        parts = (JointPart(*txt, q_weight=waq, k_weight=wak, q_eps=_eps(norms[2], txt[0]),
-                           k_eps=_eps(norms[3], txt[0])),
-                 JointPart(*img, q_weight=wq, k_weight=wk, q_eps=_eps(norms[0], img[0]), k_eps=_eps(norms[1], img[0])))
+    with cast_norm_weights(norms, img[0]) as (wq, wk, waq, wak):
+        eps = [norm_eps(norm, img[0]) for norm in norms]
+        parts = (JointPart(*txt, q_weight=waq, k_weight=wak, q_eps=eps[2], k_eps=eps[3]),
+                 JointPart(*img, q_weight=wq, k_weight=wk, q_eps=eps[0], k_eps=eps[1]))
         q, k, v = joint_qkv(parts, heads, image_rotary_emb, reference=reference)
-    finally:
-        for _, release in casts:
-            if release is not None:
-                comfy.ops.uncast_bias_weight(*release)
     return _attend(module, q, k, v, hidden_states.shape[1], encoder_hidden_states.shape[1],
                    encoder_hidden_states_mask, hidden_states, transformer_options)
 
@@ -107,7 +134,7 @@ def fused_joint_attention(module, hidden_states, encoder_hidden_states, encoder_
 def _attend(module, q, k, v, seq_img, seq_txt, txt_mask, hidden_states, transformer_options):
     """ComfyUI's steps after q, k, v: the text mask, ``optimized_attention_masked`` (looked up in the model's own
     module, as its forward does), the streams split and projected out."""
-    base = _model_module(type(module))
+    base = model_module(type(module), "optimized_attention_masked")
     batch = hidden_states.shape[0]
     attn_mask = None
     if txt_mask is not None:
@@ -120,14 +147,15 @@ def _attend(module, q, k, v, seq_img, seq_txt, txt_mask, hidden_states, transfor
 
 
 @functools.lru_cache(maxsize=None)
-def _model_module(cls: type):
-    """The module of the first class in ``cls``'s MRO whose module defines ``optimized_attention_masked``: the
-    model's own (``comfy.ldm.qwen_image.model``), whose attention function its forward calls."""
+def model_module(cls: type, name: str):
+    """The module of the first class in ``cls``'s MRO whose module defines ``name``: the model's own (e.g.
+    ``comfy.ldm.qwen_image.model`` for ``optimized_attention_masked``), whose function of that name its forward
+    calls."""
     for c in cls.__mro__:
         module = sys.modules.get(c.__module__)
-        if hasattr(module, "optimized_attention_masked"):
+        if hasattr(module, name):
             return module
-    raise TypeError(f"{cls.__name__} is not an attention of a ComfyUI model module")
+    raise TypeError(f"{cls.__name__} is not a module of a ComfyUI model that defines {name}")
 
 
 class FusedJointAttentionMixin:

@@ -478,6 +478,16 @@ def assert_matches_stock(fmt: str, stock_run, lowbit_run, float_run=None, what: 
             f"{mean_stock:.1f} dB (per input: LowBit {[round(v, 1) for v in ours]}, stock {[round(v, 1) for v in stock]})")
 
 
+def one_pass_on_the_cpu(monkeypatch) -> None:
+    """Where the tests run on the CPU (the Triton interpreter), let LowBit's one-pass attention preparations run as
+    they do on a GPU (on the CPU they run only with the Triton backend forced, which would also put every linear in
+    the interpreter)."""
+    if device().type == "cpu":
+        from lowbit.nodes import joint_attention
+
+        monkeypatch.setattr(joint_attention, "one_pass_wanted", lambda dev: True)
+
+
 class TritonFirst(dispatch.Dispatcher):
     """Settles every call on the first Triton candidate offered (the CPU measures nothing)."""
 

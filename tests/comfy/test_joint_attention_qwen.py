@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_helpers import _tiny_denoiser_call, device, load_tiny_qwen, quantized_with_deferring, require_comfy, run_qwen
+from comfy_helpers import (_tiny_denoiser_call, device, load_tiny_qwen, quantized_with_deferring, require_comfy,
+                           run_qwen, one_pass_on_the_cpu)
 
 require_comfy()
 
@@ -25,6 +26,11 @@ from lowbit.nodes import joint_attention  # noqa: E402
 from lowbit.nodes.joint_attention import FusedJointAttentionMixin, joint_attention_classes  # noqa: E402
 
 pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
+
+
+@pytest.fixture(autouse=True)
+def _one_pass(monkeypatch):
+    one_pass_on_the_cpu(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +152,7 @@ def test_only_attentions_whose_forward_agrees_are_swapped():
     model = torch.nn.ModuleList([qwen_model.Attention(**kwargs), ScaledAttention(**kwargs)])
     assert install_input_fusion(model, {}) == 1
     assert [isinstance(m, FusedJointAttentionMixin) for m in model] == [True, False]
-    assert joint_attention._model_module(type(model[0])) is qwen_model
+    assert joint_attention.model_module(type(model[0]), "optimized_attention_masked") is qwen_model
     # a mask other than the text mask [B, S_txt] (a newer ComfyUI's joint mask) is left to ComfyUI's forward
     x, txt, freqs = torch.randn(1, 5, 64), torch.randn(1, 3, 64), torch.randn(1, 1, 8, 16, 2, 2)
     assert joint_attention.fused_joint_attention(model[0], x, txt, torch.zeros(1, 3), freqs, {}, reference=True)
