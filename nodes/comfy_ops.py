@@ -55,6 +55,7 @@ from ..quant.errors import CheckpointFormatError, LowBitError, UnknownFormatErro
 from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.layouts.base import form_prologue_linear, form_settled_linear
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
+from .flux_attention import flux_block_classes
 from .joint_attention import FusedJointAttentionMixin, joint_attention_classes, norm_forwards
 
 log = logging.getLogger(__name__)
@@ -750,7 +751,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation``, Lumina
     ``FeedForward`` (Lumina 2, Z-Image; where ComfyUI has them: the gating of the latter) and GELU module with its
     own projection (Qwen-Image's ``GELU``, LTX's ``GELU_approx``: ``gelu(proj(x))``), of Qwen-Image's joint
-    ``Attention`` (its q, k, v made in one pass: ``nodes/joint_attention.py``) and of every LayerNorm
+    ``Attention`` and Flux's double and single stream blocks (their q, k, v made in one pass:
+    ``nodes/joint_attention.py``, ``nodes/flux_attention.py``) and of every LayerNorm
     without weights whose class computes plain ``F.layer_norm`` (torch's, ComfyUI's ops) to a per-model subclass
     (``classes``: the caller's per-model cache; nothing global changes). Their outputs become deferred inputs
     (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation quantization;
@@ -761,10 +763,13 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     swiglu, gated_ffn = _swiglu_activation_class(), _gated_feed_forward_class()
     proj_gelus = _proj_gelu_classes() or frozenset()
     joint_attentions = joint_attention_classes() or frozenset()
+    flux_blocks = dict(flux_block_classes() or ())
     swapped = 0
     for module in diffusion_model.modules():
         cls = type(module)
-        if cls is torch.nn.GELU:
+        if cls in flux_blocks:
+            module.__class__ = _deferring_class(cls, flux_blocks[cls], classes)
+        elif cls is torch.nn.GELU:
             module.__class__ = _deferring_class(cls, DeferredGELUMixin, classes)
         elif swiglu is not None and cls is swiglu:
             module.__class__ = _deferring_class(cls, DeferredSwiGLUMixin, classes)
