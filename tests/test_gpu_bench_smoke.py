@@ -104,7 +104,9 @@ def test_compile_step_per_mode(runs):
     for mode in ("bf16", "int8_convrot"):
         row = report["modes"][mode]
         assert "error" not in row and row["failure"] is None
-        assert row["regions"] == ["DoubleStreamBlock", "SingleStreamBlock"]
+        # a quantized model's blocks are the per-model subclasses that make q, k, v in one pass
+        prefix = "" if mode == "bf16" else "LowBit"
+        assert row["regions"] == [f"{prefix}DoubleStreamBlock", f"{prefix}SingleStreamBlock"]
         assert row["graphs_first_call"] == 2, "each block class must compile to one graph shared by its blocks"
         assert row["recompiles"] == 0
         assert row["compiled_vs_eager_rel"] == 0.0  # aot_eager changes no numerics
@@ -176,13 +178,14 @@ def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
 
 def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp_path):
     """``bench_flux_step``: a ``+unfused`` mode is quantized with ``fuse_inputs=False`` (``+noreplay``: launch
-    replays off; ``+floatmods``: modulation linears kept in bf16; ``+absmax``: kitchen's w4a4 scales), and ``--rounds``
+    replays off; ``+floatmods``: modulation linears kept in bf16; ``+absmax``: kitchen's w4a4 scales; ``+noqkv``: the
+    blocks keep ComfyUI's forward), and ``--rounds``
     times every kept mode again, each step's GPU and host time recorded (same output either way)."""
     out = tmp_path / "step.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(GPU_DIR / "bench_flux_step.py"), "--size", "tiny", "--device", "cpu", "--iters", "1",
            "--modes", "int8_convrot", "int8_convrot+unfused", "int8_convrot+noreplay", "int8_convrot+floatmods", "w4a4",
-           "w4a4+absmax", "--rounds", "2",
+           "w4a4+absmax", "int8_convrot+noqkv", "--rounds", "2",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -191,6 +194,10 @@ def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp
     fused, unfused = report["modes"]["int8_convrot"], report["modes"]["int8_convrot+unfused"]
     no_replay = report["modes"]["int8_convrot+noreplay"]
     assert fused["fuse_inputs"] is True and unfused["fuse_inputs"] is False and no_replay["fuse_inputs"] is True
+    blocks = 4  # the tiny Flux's two double and two single blocks
+    assert (fused["one_pass_qkv_blocks"], unfused["one_pass_qkv_blocks"]) == (blocks, 0)
+    assert report["modes"]["int8_convrot+noqkv"]["one_pass_qkv_blocks"] == 0
+    assert report["modes"]["int8_convrot+noqkv"]["rel_err"] == fused["rel_err"]  # no Triton on this CPU: same forward
     assert no_replay["rel_err"] == fused["rel_err"], "launch replays change no bits"
     float_mods = report["modes"]["int8_convrot+floatmods"]
     assert float_mods["extra_keep_float"] and float_mods["weight_bytes"] > fused["weight_bytes"]

@@ -15,7 +15,9 @@ A mode ending in ``+attn`` (``bf16+attn``, ``fp8_rowwise+attn``...) runs with th
 measured). Its row has ``speedup`` against stock bf16 and ``speedup_vs_bf16_same_attention``
 against ``bf16+attn`` when that was measured too. A format followed by ``+unfused``
 (``fp8_rowwise+unfused+attn``) is quantized with ``fuse_inputs=False``: its norms and GELUs are
-computed as written instead of inside the activation quantization (an A/B of that fusion).
+computed as written instead of inside the activation quantization (an A/B of that fusion; it also leaves the
+blocks' q, k, v to ComfyUI's ops). ``+noqkv`` keeps that fusion but leaves Flux's double and single blocks as
+ComfyUI's: their q, k, v made by ComfyUI's ops instead of in one pass (``nodes/flux_attention.py``).
 ``+noreplay`` runs with the kernels' launch replays switched off (``kernels/launcher.py``: every call
 builds its launches' arguments); ``+floatmods`` keeps the per-block modulation linears in bf16
 (``Policy.extra_keep_float``); ``+absmax`` quantizes ``w4a4`` weights with comfy-kitchen's abs-max row
@@ -39,6 +41,7 @@ Usage: ``python tests/gpu/bench_flux_step.py --size dev --modes int8_convrot fp8
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -191,7 +194,7 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 ATTN_SUFFIX = "+attn"
 #: what a mode's ``+flag``s after the format switch (module docstring)
-MODE_FLAGS = ("attn", "unfused", "noreplay", "floatmods", "dvram", "absmax")
+MODE_FLAGS = ("attn", "unfused", "noqkv", "noreplay", "floatmods", "dvram", "absmax")
 FLOAT_MODULATION = r"(_mod|modulation)\.lin$"  # Flux's per-block modulation linears
 
 
@@ -202,6 +205,26 @@ def parse_mode(mode: str) -> tuple[str, set[str]]:
     if unknown:
         raise SystemExit(f"mode {mode!r}: unknown flags {sorted(unknown)} (known: {', '.join(MODE_FLAGS)})")
     return fmt, set(flags)
+
+
+@contextlib.contextmanager
+def without_block_fusion():
+    """Quantize with Flux's blocks left as ComfyUI's: q, k, v made by its own ops (``+noqkv`` modes)."""
+    from lowbit.nodes import comfy_ops
+
+    real = comfy_ops.flux_block_classes
+    comfy_ops.flux_block_classes = tuple
+    try:
+        yield
+    finally:
+        comfy_ops.flux_block_classes = real
+
+
+def one_pass_blocks(dm) -> int:
+    """How many of the model's blocks make their q, k, v in one pass (``nodes/flux_attention.py``)."""
+    from lowbit.nodes.flux_attention import FusedDoubleStreamBlockMixin, FusedSingleStreamBlockMixin
+
+    return sum(isinstance(m, (FusedDoubleStreamBlockMixin, FusedSingleStreamBlockMixin)) for m in dm.modules())
 
 
 class WithoutReplays:
@@ -333,11 +356,13 @@ def _run(a, device) -> dict:
                 sync(device)
                 t0 = time.perf_counter()
                 policy = Policy(mode=fmt, extra_keep_float=keep, w4a4_scales="absmax" if "absmax" in flags else "mse")
-                q = quantize_model(base, policy, fuse_inputs=fuse)
+                with without_block_fusion() if "noqkv" in flags else contextlib.nullcontext():
+                    q = quantize_model(base, policy, fuse_inputs=fuse)
                 row.update(fuse_inputs=fuse, extra_keep_float=list(keep), w4a4_scales=policy.w4a4_scales)
                 sync(device)
                 row["quantize_s"] = time.perf_counter() - t0
                 qdm = q.model.diffusion_model
+                row["one_pass_qkv_blocks"] = one_pass_blocks(qdm)
                 row["weight_bytes"] = sum(getattr(p, "nbytes", p.numel() * p.element_size()) for p in qdm.parameters())
                 if "dvram" in flags:
                     q = load_dynamic(q.model, device)

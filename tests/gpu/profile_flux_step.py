@@ -8,8 +8,8 @@ attention and the rest ("other": norms, modulation, RoPE, GELU, adds, copies), l
 and records the dispatcher's decisions for the mode, so a step that is slower than its linears
 promise shows where the time went.
 
-A mode's ``+unfused`` flag quantizes with ``fuse_inputs=False``, ``+floatmods`` keeps the modulation linears in
-bf16, ``+dvram`` loads the model through Dynamic VRAM (``bench_flux_step``'s flags; ``bf16+dvram`` is stock bf16
+A mode's ``+unfused`` flag quantizes with ``fuse_inputs=False``, ``+noqkv`` leaves the blocks' q, k, v to
+ComfyUI's ops, ``+floatmods`` keeps the modulation linears in bf16, ``+dvram`` loads the model through Dynamic VRAM (``bench_flux_step``'s flags; ``bf16+dvram`` is stock bf16
 so loaded; the attention backend is ``--attention-backend`` here).
 
 Usage: ``python tests/gpu/profile_flux_step.py --size dev --modes int8_convrot fp8_rowwise --out prof.json``
@@ -18,6 +18,7 @@ Usage: ``python tests/gpu/profile_flux_step.py --size dev --modes int8_convrot f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import re
@@ -200,8 +201,8 @@ def main(argv=None) -> dict:
     dynamic = False
     for mode in a.modes:  # a typo, or a flag this profile does not apply, fails before the model is built
         fmt, flags = bfs.parse_mode(mode)
-        if flags - {"unfused", "floatmods", "dvram"} or (fmt == "bf16" and flags != {"dvram"}):
-            raise SystemExit(f"mode {mode!r}: only the +unfused, +floatmods and +dvram flags apply here "
+        if flags - {"unfused", "noqkv", "floatmods", "dvram"} or (fmt == "bf16" and flags != {"dvram"}):
+            raise SystemExit(f"mode {mode!r}: only the +unfused, +noqkv, +floatmods and +dvram flags apply here "
                              "(bf16 only as bf16+dvram)")
         dynamic |= "dvram" in flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -230,7 +231,9 @@ def main(argv=None) -> dict:
             if fmt == "bf16":  # bf16+dvram: a second copy of the model (same seed, same weights)
                 q = bfs.build_flux(a.size, device)
             else:
-                q = quantize_model(base, Policy(mode=fmt, extra_keep_float=keep), fuse_inputs="unfused" not in flags)
+                with bfs.without_block_fusion() if "noqkv" in flags else contextlib.nullcontext():
+                    q = quantize_model(base, Policy(mode=fmt, extra_keep_float=keep),
+                                       fuse_inputs="unfused" not in flags)
             if "dvram" in flags:
                 q = bfs.load_dynamic(q.model, device)
             before = set(current_dispatcher().decisions)
