@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 
 import torch
 
 from ..kernels.joint_heads import JointPart, joint_qkv
-from .joint_attention import cast_norm_weights, kernel_declines, model_module, norm_eps, plain_head_norms
-
-log = logging.getLogger(__name__)
+from .joint_attention import (agreeing_class, cast_norm_weights, kernel_declines, model_module, norm_eps,
+                              plain_head_norms)
 
 _LAYERS = "comfy.ldm.flux.layers"
 
@@ -170,18 +168,9 @@ def flux_block_classes() -> tuple[tuple[type, type], ...]:
     """``(ComfyUI's block class, its fused mixin)`` for those of ``_BLOCKS`` this ComfyUI has whose forward gives, on
     small random instances (with modulation and without, GELU and SwiGLU MLPs, with a mask and without) in fp32,
     what the fused forward gives with its pure-torch definition of q, k, v."""
-    found = []
-    for name, (mixin, fused) in _BLOCKS.items():
-        try:
-            cls = getattr(importlib.import_module(_LAYERS), name)
-            if _agrees(cls, fused):
-                found.append((cls, mixin))
-            else:
-                log.info("LowBit: this ComfyUI's %s.%s computes something else; its q, k, v stay unfused",
-                         _LAYERS, name)
-        except Exception as err:  # absent, or another signature: such blocks keep their own forward
-            log.debug("LowBit: %s.%s not fused (%s: %s)", _LAYERS, name, type(err).__name__, err)
-    return tuple(found)
+    found = ((agreeing_class(_LAYERS, name, functools.partial(_agrees, fused=fused)), mixin)
+             for name, (mixin, fused) in _BLOCKS.items())
+    return tuple((cls, mixin) for cls, mixin in found if cls is not None)
 
 
 def _agrees(cls, fused) -> bool:

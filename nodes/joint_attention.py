@@ -179,18 +179,21 @@ _JOINT_ATTENTIONS = (("comfy.ldm.qwen_image.model", "Attention"),)
 def joint_attention_classes() -> frozenset:
     """Those of ``_JOINT_ATTENTIONS`` this ComfyUI has whose forward gives, on a small random instance with a text
     mask and without one, in fp32, what :func:`fused_joint_attention` gives (its pure-torch definition of q, k, v)."""
-    found = []
-    for module_name, name in _JOINT_ATTENTIONS:
-        try:
-            cls = getattr(importlib.import_module(module_name), name)
-            if _agrees(cls):
-                found.append(cls)
-            else:
-                log.info("LowBit: this ComfyUI's %s.%s computes something else; its q, k, v stay unfused",
-                         module_name, name)
-        except Exception as err:  # absent, or another signature: such modules keep their own forward
-            log.debug("LowBit: %s.%s not fused (%s: %s)", module_name, name, type(err).__name__, err)
-    return frozenset(found)
+    return frozenset(cls for cls in (agreeing_class(module_name, name, _agrees)
+                                     for module_name, name in _JOINT_ATTENTIONS) if cls is not None)
+
+
+def agreeing_class(module_name: str, name: str, agrees) -> type | None:
+    """ComfyUI's class ``module_name.name`` where this ComfyUI has it and ``agrees(cls)`` holds, else ``None``: a
+    class that computes something else, is absent or takes other arguments keeps its own forward (logged)."""
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+        if agrees(cls):
+            return cls
+        log.info("LowBit: this ComfyUI's %s.%s computes something else; its q, k, v stay unfused", module_name, name)
+    except Exception as err:  # absent, or another signature
+        log.debug("LowBit: %s.%s not fused (%s: %s)", module_name, name, type(err).__name__, err)
+    return None
 
 
 def _agrees(cls) -> bool:

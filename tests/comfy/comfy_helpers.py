@@ -148,6 +148,11 @@ def dynamic_vram_on() -> bool:
     return on_cuda() and bool(getattr(comfy.memory_management, "aimdo_enabled", False))
 
 
+def rel_error(test: torch.Tensor, reference: torch.Tensor) -> float:
+    """``|test - reference| / |reference|`` (Frobenius norms, in fp32)."""
+    return float((test.float() - reference.float()).norm() / reference.float().norm())
+
+
 def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     reference, test = reference.double(), test.double()
     noise = (reference - test).pow(2).mean()
@@ -500,6 +505,29 @@ class TritonFirst(dispatch.Dispatcher):
 
 
 # ---- inputs computed inside the activation quantization ---------------------------------------------
+
+def run_with_manual_cast_norms(norms, run, monkeypatch):
+    """``run()`` with ``norms`` marked for manual casting, as a checkpoint loaded with manual-cast ops has them;
+    returns its output and the modules ComfyUI's ``comfy.ops.cast_bias_weight`` was called for meanwhile."""
+    import comfy.ops
+
+    casts = []
+    real = comfy.ops.cast_bias_weight
+
+    def spy(module, *args, **kwargs):
+        casts.append(module)
+        return real(module, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(comfy.ops, "cast_bias_weight", spy)
+        for norm in norms:
+            norm.comfy_cast_weights = True
+        try:
+            return run(), casts
+        finally:
+            for norm in norms:
+                del norm.comfy_cast_weights
+
 
 def quantized_with_deferring(float_model, fmt: str, cls: type, mixin: type):
     """``float_model`` quantized to ``fmt`` by Quantize Model's core, and its modules of class ``cls``: every one

@@ -29,3 +29,19 @@ def models_dir(tmp_path, monkeypatch):
     monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models", ([str(folder)], exts))
     monkeypatch.setattr(folder_paths, "filename_list_cache", {})
     return folder
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The one-pass q, k, v kernel's launches, as ``(rows, first row)`` a launch (the kernel still runs)."""
+    from lowbit.kernels import triton_joint_heads
+
+    calls = []
+    real = triton_joint_heads.joint_qkv_part_triton
+
+    def spy(part, row0, heads, freqs, *outs):
+        calls.append((part.q.shape[1], row0))
+        return real(part, row0, heads, freqs, *outs)
+
+    monkeypatch.setattr(triton_joint_heads, "joint_qkv_part_triton", spy)
+    return calls

@@ -15,16 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_helpers import (device, flux_inputs, load_stock, quantized_with_deferring, require_comfy, run_flux,
-                           run_flux2, tiny_flux2_bf16, one_pass_on_the_cpu)
+from comfy_helpers import (device, flux_inputs, load_stock, one_pass_on_the_cpu, quantized_with_deferring, rel_error,
+                           require_comfy, run_flux, run_flux2, run_with_manual_cast_norms, tiny_flux2_bf16)
 
 require_comfy()
 
 import comfy.ldm.flux.layers as flux_layers  # noqa: E402
 
 from kernels_helpers import needs_triton_interpreter  # noqa: E402
-from lowbit.kernels import triton_joint_heads  # noqa: E402
-from lowbit.nodes import flux_attention, joint_attention  # noqa: E402
+from lowbit.nodes import flux_attention  # noqa: E402
 from lowbit.nodes.flux_attention import (FusedDoubleStreamBlockMixin, FusedSingleStreamBlockMixin,  # noqa: E402
                                          flux_block_classes)
 from lowbit.nodes.joint_attention import one_pass_wanted  # noqa: E402  (the real one: tests patch the module's)
@@ -48,27 +47,10 @@ def quantized(float_model):
     return model, doubles, singles
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    calls = []
-    real = triton_joint_heads.joint_qkv_part_triton
-
-    def spy(part, row0, heads, freqs, *outs):
-        calls.append((part.q.shape[1], row0))
-        return real(part, row0, heads, freqs, *outs)
-
-    monkeypatch.setattr(triton_joint_heads, "joint_qkv_part_triton", spy)
-    return calls
-
-
 def _comfy_forward(monkeypatch):
     """Every swapped block runs ComfyUI's own forward (the fused paths decline)."""
     monkeypatch.setattr(flux_attention, "fused_double_block", lambda *args, **kwargs: None)
     monkeypatch.setattr(flux_attention, "fused_single_block", lambda *args, **kwargs: None)
-
-
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 #: the attention inputs of the first block (the same inputs on both paths) against ComfyUI's: the last bit of a
@@ -110,9 +92,10 @@ def test_flux_blocks_make_q_k_v_in_one_launch_a_stream(float_model, float_output
         as_written = _run_with(model, _recording(comfy_qkv))
     assert not launches and len(fused_qkv) == len(comfy_qkv) == len(doubles) + len(singles)
     for got, want in zip(fused_qkv[0], comfy_qkv[0]):  # [B, H, txt + img, D], normalized and rotated
-        assert got.shape == want.shape == (1, 2, TXT + IMG, 128) and _rel(got, want) < _SAME_QKV
-    assert _rel(fused, as_written) < _SAME
-    assert abs(_rel(fused, float_output) - _rel(as_written, float_output)) < 0.1 * _rel(as_written, float_output) + 1e-4
+        assert got.shape == want.shape == (1, 2, TXT + IMG, 128) and rel_error(got, want) < _SAME_QKV
+    assert rel_error(fused, as_written) < _SAME
+    from_float = rel_error(as_written, float_output)
+    assert abs(rel_error(fused, float_output) - from_float) < 0.1 * from_float + 1e-4
 
 
 def test_output_patches_run_and_attn1_patches_get_comfyuis_forward(quantized, launches, monkeypatch):
@@ -130,8 +113,8 @@ def test_output_patches_run_and_attn1_patches_get_comfyuis_forward(quantized, la
         _comfy_forward(m)
         as_written = _run_with(model, {"patches": {"attn1_output_patch": [output_patch]}})
     assert fused_seen == seen and len(seen) == len(doubles) + len(singles)  # same shapes, same img_slice
-    assert _rel(fused, as_written) < _SAME
-    assert _rel(fused, run_flux(model)) > 1e-3  # the patch did act
+    assert rel_error(fused, as_written) < _SAME
+    assert rel_error(fused, run_flux(model)) > 1e-3  # the patch did act
 
     q_seen = []
 
@@ -158,29 +141,15 @@ def test_patched_and_cast_norm_weights(quantized, launches, monkeypatch):
         assert len(launches) == 2 * (len(doubles) - 1) + len(singles)  # the first double block declined
         with monkeypatch.context() as m:
             _comfy_forward(m)
-            assert _rel(out, run_flux(model)) < _SAME
-        assert _rel(out, expected) > 1e-3
+            assert rel_error(out, run_flux(model)) < _SAME
+        assert rel_error(out, expected) > 1e-3
     finally:
         norm.weight_function = []
 
-    casts = []
-    real = joint_attention.comfy.ops.cast_bias_weight
-
-    def spy(module, *args, **kwargs):
-        casts.append(module)
-        return real(module, *args, **kwargs)
-
-    monkeypatch.setattr(joint_attention.comfy.ops, "cast_bias_weight", spy)
     norms = [n for b in doubles for a in (b.txt_attn, b.img_attn) for n in (a.norm.query_norm, a.norm.key_norm)]
     norms += [n for b in singles for n in (b.norm.query_norm, b.norm.key_norm)]
-    for n in norms:
-        n.comfy_cast_weights = True  # as a checkpoint loaded with manual-cast ops has them
-    try:
-        launches.clear()
-        out = run_flux(model)
-    finally:
-        for n in norms:
-            del n.comfy_cast_weights
+    launches.clear()
+    out, casts = run_with_manual_cast_norms(norms, lambda: run_flux(model), monkeypatch)
     assert len(launches) == 2 * len(doubles) + len(singles) and casts == norms
     assert torch.equal(out, expected)
 
@@ -197,8 +166,8 @@ def test_flux2_blocks_fused_with_their_swiglus(launches, monkeypatch):
     assert len(launches) == 2 * len(doubles) + len(dm.single_blocks)
     with monkeypatch.context() as m:
         _comfy_forward(m)
-        assert _rel(fused, run_flux2(model)) < _SAME
-    assert _rel(fused, run_flux2(float_model)) < 0.2
+        assert rel_error(fused, run_flux2(model)) < _SAME
+    assert rel_error(fused, run_flux2(float_model)) < 0.2
 
 
 def test_only_blocks_whose_forward_agrees_are_swapped():

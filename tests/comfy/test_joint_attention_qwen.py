@@ -13,15 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_helpers import (_tiny_denoiser_call, device, load_tiny_qwen, quantized_with_deferring, require_comfy,
-                           run_qwen, one_pass_on_the_cpu)
+from comfy_helpers import (_tiny_denoiser_call, device, load_tiny_qwen, one_pass_on_the_cpu, quantized_with_deferring,
+                           rel_error, require_comfy, run_qwen, run_with_manual_cast_norms)
 
 require_comfy()
 
 import comfy.ldm.qwen_image.model as qwen_model  # noqa: E402
 
 from kernels_helpers import needs_triton_interpreter  # noqa: E402
-from lowbit.kernels import triton_joint_heads  # noqa: E402
 from lowbit.nodes import joint_attention  # noqa: E402
 from lowbit.nodes.joint_attention import FusedJointAttentionMixin, joint_attention_classes  # noqa: E402
 
@@ -41,26 +40,9 @@ def quantized():
     return float_model, model, attentions
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    calls = []
-    real = triton_joint_heads.joint_qkv_part_triton
-
-    def spy(part, row0, heads, freqs, *outs):
-        calls.append((part.q.shape[1], row0))
-        return real(part, row0, heads, freqs, *outs)
-
-    monkeypatch.setattr(triton_joint_heads, "joint_qkv_part_triton", spy)
-    return calls
-
-
 def _comfy_forward(monkeypatch):
     """Every swapped module runs ComfyUI's own forward (the fused path declines)."""
     monkeypatch.setattr(joint_attention, "fused_joint_attention", lambda *args, **kwargs: None)
-
-
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def test_qwen_attention_makes_q_k_v_in_one_launch_a_stream(quantized, launches, monkeypatch):
@@ -76,8 +58,8 @@ def test_qwen_attention_makes_q_k_v_in_one_launch_a_stream(quantized, launches, 
         as_written = run_qwen(model)
     assert not launches
     # the same values up to the last bit of a norm or a rotation (bf16 on a GPU, fp32 on the CPU)
-    assert _rel(fused, as_written) < (1e-2 if device().type == "cuda" else 1e-5)
-    assert abs(_rel(fused, reference) - _rel(as_written, reference)) < 0.1 * _rel(as_written, reference) + 1e-4
+    assert rel_error(fused, as_written) < (1e-2 if device().type == "cuda" else 1e-5)
+    assert abs(rel_error(fused, reference) - rel_error(as_written, reference)) < 0.1 * rel_error(as_written, reference) + 1e-4
 
 
 def test_attn1_patches_and_patched_norms_get_comfyuis_forward(quantized, launches, monkeypatch):
@@ -97,7 +79,7 @@ def test_attn1_patches_and_patched_norms_get_comfyuis_forward(quantized, launche
     with monkeypatch.context() as m:
         _comfy_forward(m)
         assert torch.equal(run_patched(), with_patch)
-    assert _rel(with_patch, run_qwen(model)) > 1e-4  # the patch did act
+    assert rel_error(with_patch, run_qwen(model)) > 1e-4  # the patch did act
 
     norm = attentions[0].norm_q
     norm.weight_function = [lambda weight: weight * 2]  # a patched norm weight (ComfyUI's low-VRAM patches)
@@ -107,7 +89,7 @@ def test_attn1_patches_and_patched_norms_get_comfyuis_forward(quantized, launche
         assert len(launches) == 2 * (len(attentions) - 1)  # the first block declined
         with monkeypatch.context() as m:
             _comfy_forward(m)
-            assert _rel(out, run_qwen(model)) < (1e-2 if device().type == "cuda" else 1e-5)
+            assert rel_error(out, run_qwen(model)) < (1e-2 if device().type == "cuda" else 1e-5)
     finally:
         norm.weight_function = []
 
@@ -115,23 +97,9 @@ def test_attn1_patches_and_patched_norms_get_comfyuis_forward(quantized, launche
 def test_norm_weights_cast_as_comfyuis_rmsnorm_casts_them(quantized, launches, monkeypatch):
     _, model, attentions = quantized
     expected = run_qwen(model)
-    casts = []
-    real = joint_attention.comfy.ops.cast_bias_weight
-
-    def spy(module, *args, **kwargs):
-        casts.append(module)
-        return real(module, *args, **kwargs)
-
-    monkeypatch.setattr(joint_attention.comfy.ops, "cast_bias_weight", spy)
     norms = [getattr(a, n) for a in attentions for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")]
-    for norm in norms:
-        norm.comfy_cast_weights = True  # as a checkpoint loaded with manual-cast ops has them
-    try:
-        launches.clear()
-        out = run_qwen(model)
-    finally:
-        for norm in norms:
-            del norm.comfy_cast_weights
+    launches.clear()
+    out, casts = run_with_manual_cast_norms(norms, lambda: run_qwen(model), monkeypatch)
     assert len(launches) == 2 * len(attentions) and casts == norms
     assert torch.equal(out, expected)
 
