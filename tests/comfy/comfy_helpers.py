@@ -508,14 +508,16 @@ class TritonFirst(dispatch.Dispatcher):
 
 def run_with_manual_cast_norms(norms, run, monkeypatch):
     """``run()`` with ``norms`` marked for manual casting, as a checkpoint loaded with manual-cast ops has them;
-    returns its output and the modules ComfyUI's ``comfy.ops.cast_bias_weight`` was called for meanwhile."""
+    returns its output and those of ``norms`` that ComfyUI's ``comfy.ops.cast_bias_weight`` was called for
+    meanwhile, a call each (under Dynamic VRAM every other layer is cast through it too)."""
     import comfy.ops
 
     casts = []
     real = comfy.ops.cast_bias_weight
 
     def spy(module, *args, **kwargs):
-        casts.append(module)
+        if any(module is norm for norm in norms):
+            casts.append(module)
         return real(module, *args, **kwargs)
 
     with monkeypatch.context() as m:

@@ -61,7 +61,11 @@ _SAME = 3e-2 if device().type == "cuda" else 1e-2
 
 
 def _run_with(model, transformer_options):
-    """One denoiser call of the tiny Flux with ``transformer_options``, as a sampler hands them."""
+    """One denoiser call of the tiny Flux with ``transformer_options``, as a sampler makes it (weights loaded
+    first: under Dynamic VRAM a model another test loaded since is not resident)."""
+    import comfy.model_management
+
+    comfy.model_management.load_models_gpu([model])
     inputs, dev = flux_inputs(0), model.load_device
     with torch.no_grad():
         return model.model.apply_model(inputs["x"].to(dev), inputs["t"].to(dev),
