@@ -493,30 +493,17 @@ def one_pass_on_the_cpu(monkeypatch) -> None:
         monkeypatch.setattr(joint_attention, "one_pass_wanted", lambda dev: True)
 
 
-class TritonFirst(dispatch.Dispatcher):
-    """Settles every call on the first Triton candidate offered (the CPU measures nothing)."""
-
-    def choose(self, key, candidates, device):
-        name = next((n for n in candidates if n.startswith("triton:")), None)
-        if name is None:
-            return super().choose(key, candidates, device)
-        self.decisions[key.as_str()] = name
-        return name
-
-
-# ---- inputs computed inside the activation quantization ---------------------------------------------
-
 def run_with_manual_cast_norms(norms, run, monkeypatch):
     """``run()`` with ``norms`` marked for manual casting, as a checkpoint loaded with manual-cast ops has them;
     returns its output and those of ``norms`` that ComfyUI's ``comfy.ops.cast_bias_weight`` was called for
     meanwhile, a call each (under Dynamic VRAM every other layer is cast through it too)."""
     import comfy.ops
 
-    casts = []
+    casts, marked = [], {id(norm) for norm in norms}
     real = comfy.ops.cast_bias_weight
 
     def spy(module, *args, **kwargs):
-        if any(module is norm for norm in norms):
+        if id(module) in marked:
             casts.append(module)
         return real(module, *args, **kwargs)
 
@@ -530,6 +517,19 @@ def run_with_manual_cast_norms(norms, run, monkeypatch):
             for norm in norms:
                 del norm.comfy_cast_weights
 
+
+class TritonFirst(dispatch.Dispatcher):
+    """Settles every call on the first Triton candidate offered (the CPU measures nothing)."""
+
+    def choose(self, key, candidates, device):
+        name = next((n for n in candidates if n.startswith("triton:")), None)
+        if name is None:
+            return super().choose(key, candidates, device)
+        self.decisions[key.as_str()] = name
+        return name
+
+
+# ---- inputs computed inside the activation quantization ---------------------------------------------
 
 def quantized_with_deferring(float_model, fmt: str, cls: type, mixin: type):
     """``float_model`` quantized to ``fmt`` by Quantize Model's core, and its modules of class ``cls``: every one
