@@ -412,6 +412,7 @@ def verify(device: torch.device) -> list[str]:
             for ptx in (None, True, False):
                 levels = expand_w4_int8(packed, *args, 16, ptx=ptx)
                 check(f"w4 expand codebook={codebook} ptx={ptx} n={n} k={k}", torch.equal(levels, expected))
+    _check_back_to_back(device, cap, check)
     from .triton_w4_expand import _ptx_checked as _expand_checked
     from .triton_w4_gemm import _ptx_checked
     from .triton_w8a8_gemm import _workspaces
@@ -423,3 +424,63 @@ def verify(device: torch.device) -> list[str]:
     check("w4 codebook in-register decode accepted by every variant's first-call check", not rejected,
           f"{len(rejected)} of {len(_ptx_checked) + len(_expand_checked)} variants fell back to gathers")
     return failures
+
+
+def _check_back_to_back(device: torch.device, cap: tuple[int, int], check, n: int = 3072, k: int = 3072,
+                        rows: tuple[int, ...] = (256, 4096), configs: int = 3) -> None:
+    """The act-quant and the GEMM launched back to back, as a linear runs them, inputs changing every call. With
+    PDL (sm_90, ``gdc.py``) the GEMM's programs start before the act-quant has finished: each result must equal
+    the one computed with the GPU synchronised between the two launches (a GEMM that read codes early would
+    read the previous call's, left at the same address by the allocator), eagerly and in a CUDA graph. The first
+    ``configs`` INT8 candidates and ``configs - 1`` codebook W4 candidates at each of the ``rows``."""
+    from .gdc import pdl_launch
+    from .gemm_config import w4_candidates, w8a8_candidates
+    from .triton_act_quant import act_quant_triton
+    from .triton_w4_gemm import w4a8_mm_triton
+    from .triton_w8a8_gemm import w8a8_mm_triton
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    b = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
+    packed = torch.randint(-128, 128, (n, k // 2), device=device, dtype=torch.int8)
+    s_rel = (torch.rand(n, k // 16, device=device) * 60 + 4).to(FP8)
+    table = w4a8_level_table(torch.tensor(FP8_CODEBOOK), device)
+    sb = torch.rand(n, device=device) * 1e-2
+    bias = torch.randn(n, device=device, dtype=torch.bfloat16)
+    gemms = []
+    for m in rows:
+        gemms += [(m, "int8", cfg) for cfg in w8a8_candidates(cap, m)[:configs]]
+        gemms += [(m, "w4a8", cfg) for cfg in w4_candidates(cap, m, codebook=True)[:configs - 1]]
+    for m, kind, cfg in gemms:
+        xs = [(torch.randn(m, k, device=device) * (1 + i)).to(torch.bfloat16) for i in range(3)]
+
+        def linear(x):
+            if kind == "int8":
+                q, s, _ = act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False)
+                return w8a8_mm_triton(q, b, s, sb, bias, None, None, torch.bfloat16, cfg)
+            q, s, _ = act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False, cfg.block_k)
+            return w4a8_mm_triton(q, packed, s, sb, bias, s_rel, table, 16, torch.bfloat16, cfg)
+
+        expected = []
+        for x in xs:
+            sync()
+            expected.append(linear(x))
+            sync()
+        eager = [linear(xs[i % 3]) for i in range(12)]
+        sync()
+        ok = all(torch.equal(out, expected[i % 3]) for i, out in enumerate(eager))
+        if device.type == "cuda":
+            static = xs[0].clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = linear(static)
+            replays = []
+            for i in range(6):
+                static.copy_(xs[i % 3])
+                graph.replay()
+                replays.append(out.clone())
+            sync()
+            ok = ok and all(torch.equal(r, expected[i % 3]) for i, r in enumerate(replays))
+        check(f"act_quant + {kind} gemm back to back m={m} {cfg.name} pdl={pdl_launch(device)}", ok)
