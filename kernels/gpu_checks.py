@@ -428,12 +428,11 @@ def verify(device: torch.device) -> list[str]:
 
 def _check_back_to_back(device: torch.device, cap: tuple[int, int], check, n: int = 3072, k: int = 3072,
                         rows: tuple[int, ...] = (256, 4096), configs: int = 3) -> None:
-    """The act-quant and the GEMM launched back to back, as a linear runs them, inputs changing every call. With
-    PDL (sm_90, ``gdc.py``) the GEMM's programs start before the act-quant has finished: each result must equal
-    the one computed with the GPU synchronised between the two launches (a GEMM that read codes early would
-    read the previous call's, left at the same address by the allocator), eagerly and in a CUDA graph. The first
-    ``configs`` INT8 candidates and ``configs - 1`` codebook W4 candidates at each of the ``rows``."""
-    from .gdc import pdl_launch
+    """The act-quant and the GEMM launched back to back, as a linear runs them, inputs changing every call: each
+    result must equal the one computed with the GPU synchronised between the two launches (a GEMM that read its
+    codes early would read the previous call's, left at the same address by the allocator), eagerly and replayed
+    in a CUDA graph. The first ``configs`` INT8 candidates and ``configs - 1`` codebook W4 candidates at each of
+    the ``rows``. (Session 29 ran this against GEMMs launched with programmatic dependent launch.)"""
     from .gemm_config import w4_candidates, w8a8_candidates
     from .triton_act_quant import act_quant_triton
     from .triton_w4_gemm import w4a8_mm_triton
@@ -483,4 +482,4 @@ def _check_back_to_back(device: torch.device, cap: tuple[int, int], check, n: in
                 replays.append(out.clone())
             sync()
             ok = ok and all(torch.equal(r, expected[i % 3]) for i, r in enumerate(replays))
-        check(f"act_quant + {kind} gemm back to back m={m} {cfg.name} pdl={pdl_launch(device)}", ok)
+        check(f"act_quant + {kind} gemm back to back m={m} {cfg.name}", ok)

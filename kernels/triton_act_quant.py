@@ -54,7 +54,6 @@ import triton
 import triton.language as tl
 
 from .backend import interpreting
-from .gdc import let_dependents_start, trigger_point
 from .launcher import TritonLauncher
 from .prologue import PROLOGUES, GeluPrologue, SwigluPrologue
 from .reference import FP8
@@ -91,9 +90,8 @@ def _act_quant_kernel(
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr,
     OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
     PROLOGUE: tl.constexpr, APPROX: tl.constexpr, HAS_A: tl.constexpr, HAS_MULT: tl.constexpr,
-    HAS_SHIFT: tl.constexpr, SRC_ROUND: tl.constexpr, TRIGGER: tl.constexpr,
+    HAS_SHIFT: tl.constexpr, SRC_ROUND: tl.constexpr,
 ):
-    let_dependents_start(TRIGGER, 1)  # the GEMM after it may start its programs (gdc.py)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
@@ -163,7 +161,6 @@ def _act_quant_kernel(
             q = tl.reshape(q, (BLOCK_M, BLOCK_K // PERM_BLOCK, PERM_BLOCK // 2, 2))
             q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
         tl.store(q_ptrs, q, mask=mask)
-    let_dependents_start(TRIGGER, 2)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -289,7 +286,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
              ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
              R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting(),
-             **pro_flags, TRIGGER=trigger_point(x.device)),
+             **pro_flags),
         **(dict(num_warps=num_warps) if max_registers is None else dict(num_warps=num_warps, maxnreg=max_registers)),
     )
     return q, scale, mean

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from .backend import interpreting
-from .gdc import let_dependents_start, trigger_point
 from .launcher import TritonLauncher
 from .reference import FP8
 from .triton_act_quant_parts import (ROTATE_IMPLS, _no_mean, _pow2_at_least, _rotate_superblocks, _rotation_operands,
@@ -58,13 +57,12 @@ def _act_quant_chunked_kernel(
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr, OUT_FP8: tl.constexpr,
-    PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr, TRIGGER: tl.constexpr,
+    PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     """The rows in ``CHUNK``-wide pieces over the real ``K`` (no padding to a power of two, few
     registers): [a centring pass: the row sums], a pass for the row abs-max of the rotated values,
     and a pass that recomputes them and stores the codes. Only the first pass reads ``x`` from
     memory; the later ones find the program's rows in L2."""
-    let_dependents_start(TRIGGER, 1)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -94,7 +92,6 @@ def _act_quant_chunked_kernel(
         y = tl.minimum(tl.maximum(y * inv[:, None], -qmax), qmax)
         mask = row_ok[:, None] & (k0 + cols < K)[None, :]
         _store_codes(q_rows[:, None] + (k0 + cols)[None, :], y, mask, OUT_FP8, PERM_BLOCK, HW_FP8_CAST, BLOCK_M, CHUNK)
-    let_dependents_start(TRIGGER, 2)
 
 
 @triton.jit
@@ -145,11 +142,10 @@ def _act_quant_pieces_kernel(
     BLOCK_M: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr, OUT_FP8: tl.constexpr,
-    PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr, TRIGGER: tl.constexpr,
+    PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     """Whole rows in registers as up to four power-of-two pieces ``W0 >= W1 >= W2 >= W3`` (0: absent)
     laid end to end over the real ``K`` (3072 = 2048 + 1024: no padding to 4096), one read of ``x``."""
-    let_dependents_start(TRIGGER, 1)
     O1: tl.constexpr = W0
     O2: tl.constexpr = W0 + W1
     O3: tl.constexpr = W0 + W1 + W2
@@ -201,7 +197,7 @@ def _act_quant_pieces_kernel(
         _store_piece(q_rows, x2, inv, row_ok, K, O2, W2, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
     if W3 > 0:
         _store_piece(q_rows, x3, inv, row_ok, K, O3, W3, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
-    let_dependents_start(TRIGGER, 2)
+
 
 
 @functools.lru_cache(maxsize=1024)
@@ -270,7 +266,7 @@ def act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, pe
         dict(BLOCK_M=block_m, **widths, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
              ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
-             HW_FP8_CAST=x.is_cuda and not interpreting(), TRIGGER=trigger_point(x.device)),
+             HW_FP8_CAST=x.is_cuda and not interpreting()),
         **options,
     )
     return q, scale, mean

@@ -53,7 +53,6 @@ import triton
 import triton.language as tl
 
 from .backend import capability, interpreting
-from .gdc import pdl_launch, wait_for_inputs
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
 from .triton_w8a8_gemm import _sm_count, _split_k_total, split_k_shares
@@ -223,15 +222,14 @@ def _w4a8_mm_kernel(
     CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
     SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One output tile a program, or (``PERSISTENT``) a grid of at most one program per SM walking the
     tiles in the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the
     next tile's loads. (The stride is ``tl.num_programs``, not a constexpr: a grid smaller than the SM
     count, for a small output, needs no compile of its own.) ``SPLIT_K`` > 1 (not persistent): program
     ``(tile, s)`` sums its share of the K tiles and the last share of a tile to finish writes it
-    (``triton_w8a8_gemm._split_k_total``). ``PDL``: launched with programmatic dependent launch (``gdc.py``)."""
-    wait_for_inputs(PDL)
+    (``triton_w8a8_gemm._split_k_total``)."""
     if PERSISTENT:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -311,7 +309,7 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     grid = (programs, splits)
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
                                    use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,
-                                   tma_store=tma_store, splits=splits, pdl=pdl_launch(a.device))
+                                   tma_store=tma_store, splits=splits)
     args = (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
             s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed, ws, locks,
             m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0), per_split)
@@ -322,16 +320,8 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
             _check_ptx_codebook(args, constexprs, config, grid, out, key)
             return out
         constexprs["USE_PTX"] = bool(verdict)  # inside a graph capture, before any check: the gathers, this once
-    _LAUNCHER.launch(grid, args, constexprs, **_options(config, constexprs))
+    _LAUNCHER.launch(grid, args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
-
-
-def _options(config: GemmConfig, constexprs: dict) -> dict:
-    """The launch options of a variant: its warps and stages, and ``launch_pdl`` where it waits for its inputs."""
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    if constexprs["PDL"]:
-        options["launch_pdl"] = True
-    return options
 
 
 # The codebook's PTX decode assumes that the 4 bytes Triton hands one inline-assembly instance are
@@ -349,13 +339,13 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, grid:
     dtype, the TMA flags, bias, group size). ``args[2]`` (the output or its TMA descriptor) is rebuilt
     for the second run."""
     gathers = dict(constexprs, USE_PTX=False)
-    _LAUNCHER.launch(grid, args, gathers, **_options(config, gathers))
+    _LAUNCHER.launch(grid, args, gathers, num_warps=config.num_warps, num_stages=config.num_stages)
     trial = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
     c_arg = trial
     if constexprs["TMA_STORE"]:
         c_arg = tma_descriptor(trial, (config.block_m, config.block_n // (2 if constexprs["SUBTILE"] else 1)))
     _LAUNCHER.launch(grid, args[:2] + (c_arg,) + args[3:16] + (trial.stride(0),) + args[17:], constexprs,
-                     **_options(config, constexprs))
+                     num_warps=config.num_warps, num_stages=config.num_stages)
     verdict = bool(torch.equal(trial, out))
     if not verdict:
         log.warning("LowBit: the in-register codebook decode disagrees with the table gathers for the W4 "
@@ -365,14 +355,13 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, grid:
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
-                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1, pdl: bool = False) -> dict:
+                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1) -> dict:
     """The constexpr arguments of :func:`_w4a8_mm_kernel`, in parameter order, for one variant
     (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
                 SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
                 SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent, SPLIT_K=splits,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                PDL=pdl)
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
 
 
 _LAUNCHER = TritonLauncher(_w4a8_mm_kernel)

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdc import pdl_launch, wait_for_inputs
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, constant_tensor, tma_descriptor
 
@@ -133,7 +132,7 @@ def _w8a8_mm_kernel(
     M, N, K, stride_am, stride_bn, stride_cm, K_TILES_PER_SPLIT,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
     EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One output tile a program; with ``SPLIT_K`` > 1 (INT8 only) program ``(tile, s)`` sums the K tiles
     ``[s * K_TILES_PER_SPLIT, (s + 1) * K_TILES_PER_SPLIT)`` and the last share of a tile to finish
@@ -155,7 +154,6 @@ def _w8a8_mm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    wait_for_inputs(PDL)
     for k in range(first, k_tiles):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -191,7 +189,7 @@ def _w8a8_mm_tma_kernel(
     M, N, K, stride_cm, K_TILES_PER_SPLIT,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """sm_90 variant: operand tiles arrive by TMA (the bulk tensor copy engine); out-of-range rows
     and a ragged K are zero-filled by the copy engine, so no masks at all. ``SPLIT_K`` as in
@@ -208,7 +206,6 @@ def _w8a8_mm_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    wait_for_inputs(PDL)
     for k in tl.range(first, k_tiles, warp_specialize=WARP_SPECIALIZE):
         a = a_desc.load([off_m, k * BLOCK_K])
         b = b_desc.load([off_n, k * BLOCK_K])
@@ -233,7 +230,7 @@ def _w8a8_mm_persistent_kernel(
     M, N, K, stride_cm,
     B_SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, ACC_INT32: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """sm_90 persistent variant: one program per SM walks the output tiles; with ``flatten`` the
     pipeliner overlaps a tile's epilogue with the next tile's TMA loads."""
@@ -241,7 +238,6 @@ def _w8a8_mm_persistent_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_group = GROUP_M * num_pid_n
-    wait_for_inputs(PDL)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
         group = tile // per_group
         first_m = group * GROUP_M
@@ -282,10 +278,8 @@ def w8a8_mm_triton(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
             col_shift if col_shift is not None else a_scale)
     flags = dict(B_SCALE_PER_N=b_scale.numel() != 1, HAS_BIAS=bias is not None, HAS_SHIFT=row_shift is not None,
                  ACC_INT32=a.dtype == torch.int8)
-    pdl = pdl_launch(a.device)
-    tiles_flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                       PDL=pdl)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
+    tiles_flags = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     splits, per_split, ws, locks = _split_plan(a, config, tiles, k)
     grid = (tiles, splits)
     if config.tma:

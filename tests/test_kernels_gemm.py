@@ -260,3 +260,38 @@ def test_candidates_fit_the_gpu():
     assert all(c.fits((8, 9)) for c in ada) and all(c.fits((8, 9), 1.0, 0.5) for c in w4_candidates((8, 9), 4096))
     # small M: tiles of at most 128 rows fill the SMs; a 256-row tile only where K is split among programs
     assert max(c.block_m for c in w8a8_candidates((9, 0), 256) if c.split_k == 1) <= 128
+
+
+def _back_to_back(monkeypatch=None, stale=False):
+    """``bench kernels --verify``'s back-to-back check at interpreter sizes; ``stale``: the INT8 GEMM hands back
+    the previous call's result from the second call on (what a GEMM reading its codes early would give)."""
+    from lowbit.kernels import gpu_checks, triton_w8a8_gemm
+
+    if stale:
+        real, last = triton_w8a8_gemm.w8a8_mm_triton, []
+
+        def w8a8_mm_stale(*args, **kwargs):
+            out = real(*args, **kwargs)
+            last.append(out)
+            return last[-2] if len(last) > 1 else out
+
+        monkeypatch.setattr(triton_w8a8_gemm, "w8a8_mm_triton", w8a8_mm_stale)
+    results = []
+    gpu_checks._check_back_to_back(torch.device("cpu"), (9, 0), lambda name, ok, detail="": results.append((name, ok)),
+                                   n=64, k=512, rows=(20,), configs=2)
+    return results
+
+
+def test_back_to_back_check_passes_on_the_interpreter():
+    """Act-quant then GEMM with the inputs changing every call: every result is the synchronised one (two INT8
+    configs and one codebook W4 config at 20 rows)."""
+    results = _back_to_back()
+    assert [ok for _, ok in results] == [True, True, True], results
+    assert sum("int8 gemm" in name for name, _ in results) == 2
+
+
+def test_back_to_back_check_fails_on_stale_results(monkeypatch):
+    """The same check fails the INT8 configs when each call hands back the previous call's result."""
+    results = _back_to_back(monkeypatch, stale=True)
+    assert [ok for name, ok in results if "int8 gemm" in name] == [False, False], results
+    assert [ok for name, ok in results if "w4a8 gemm" in name] == [True], results
