@@ -275,6 +275,10 @@ class LowBitLinearMixin:
         if codec is None or not isinstance(_module_attr(self, "weight"), QuantizedTensor):
             return super().forward(input, *args, **kwargs)
         _run_every_op()
+        if input.dim() >= 2 and input.shape[:-1].numel() == 0:
+            # no rows (a routed expert that no token chose): nothing to compute, and kitchen's activation
+            # quantizers do not take an empty input
+            return input.new_empty((*input.shape[:-1], self.weight.shape[0]))
         input = self._lowbit_pre_quant(input)
         config: LowBitOpsConfig = self.__dict__.get(CONFIG_ATTR) or LowBitOpsConfig()
         if self._lowbit_runs_quantized(input, config):

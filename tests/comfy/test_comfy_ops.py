@@ -191,6 +191,21 @@ def test_every_kernel_backend_runs_and_agrees(backend, int8_model):
     assert agreement > activation_noise + BACKEND_MARGIN_OVER_ACTIVATION_NOISE_DB, (agreement, activation_noise)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_an_input_without_rows_gives_an_output_without_rows(fmt, float_model):
+    # a routed MoE expert that no token chose (HiDream) calls its linears on [0, K]; kitchen's activation
+    # quantizers reject an empty input, so without the layer's own check this raised
+    model = quantize_model(float_model, Policy(mode=fmt))
+    layer = model.model.diffusion_model.get_submodule(LAYER)
+    assert isinstance(layer.weight, QuantizedTensor)
+    x = _probe(layer.in_features)
+    with torch.no_grad():
+        for empty in (x[0, :0], x[:, :0], x[:0]):
+            out = layer(empty)
+            assert out.shape == (*empty.shape[:-1], layer.out_features) and out.dtype == x.dtype
+        assert layer(x).shape == (2, 7, layer.out_features)  # and rows still compute
+
+
 def test_fp8_abs_max_activation_scale_does_not_clip_large_activations():
     """Why LowBit's fp8 codec scales activations by their abs-max: stock's unit scale clips above 448."""
     codec = get_format("fp8")
