@@ -57,6 +57,7 @@ from ..quant.layouts.base import form_prologue_linear, form_settled_linear
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
 from .flux_attention import flux_block_classes
 from .joint_attention import FusedJointAttentionMixin, joint_attention_classes, norm_forwards
+from .swiglu_ffn import swiglu_feed_forward_classes
 
 log = logging.getLogger(__name__)
 
@@ -753,7 +754,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     """Let the model's GELUs, SwiGLUs and affine-free LayerNorms hand their outputs to LowBit linears uncomputed.
 
     Swaps the ``__class__`` of every exact ``nn.GELU``, of every exact Flux 2 ``SiLUActivation``, Lumina
-    ``FeedForward`` (Lumina 2, Z-Image; where ComfyUI has them: the gating of the latter) and GELU module with its
+    ``FeedForward`` (Lumina 2, Z-Image; where ComfyUI has them: the gating of the latter), three-linear SwiGLU MLP
+    (HiDream, Krea 2, SeedVR, MMDiT's SwiGLU variant: ``nodes/swiglu_ffn.py``) and GELU module with its
     own projection (Qwen-Image's ``GELU``, LTX's ``GELU_approx``: ``gelu(proj(x))``), of Qwen-Image's joint
     ``Attention`` and Flux's double and single stream blocks (their q, k, v made in one pass:
     ``nodes/joint_attention.py``, ``nodes/flux_attention.py``) and of every LayerNorm
@@ -766,6 +768,7 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     layer_norm_forwards = norm_forwards(torch.nn.LayerNorm)
     swiglu, gated_ffn = _swiglu_activation_class(), _gated_feed_forward_class()
     proj_gelus = _proj_gelu_classes() or frozenset()
+    swiglu_ffns = swiglu_feed_forward_classes() or {}
     joint_attentions = joint_attention_classes() or frozenset()
     flux_blocks = dict(flux_block_classes() or ())
     swapped = 0
@@ -779,6 +782,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
             module.__class__ = _deferring_class(cls, DeferredSwiGLUMixin, classes)
         elif gated_ffn is not None and cls is gated_ffn:
             module.__class__ = _deferring_class(cls, DeferredGatedFeedForwardMixin, classes)
+        elif cls in swiglu_ffns:
+            module.__class__ = _deferring_class(cls, swiglu_ffns[cls], classes)
         elif cls in proj_gelus:
             module.__class__ = _deferring_class(cls, DeferredProjGELUMixin, classes)
         elif cls in joint_attentions:

@@ -265,13 +265,13 @@ def test_stock_agreement_diag_reports_every_backend_and_the_stock_run(tmp_path):
     assert isinstance(fp8["auto"], dict) and "int8_linear" in fp8["kitchen"]
 
 
-@pytest.mark.parametrize("model", ["wan", "minimax", "flux2", "zimage"])
+@pytest.mark.parametrize("model", ["wan", "minimax", "flux2", "zimage", "krea2", "hidream"])
 def test_mlp_bench_times_stock_routed_and_unfused_int8_mlps(tmp_path, model):
-    """``bench_wan_ffn.py``: the quantized MLP (Wan's GELU feed-forward, MiniMax's, Flux 2's and Z-Image's SwiGLU
-    MLPs) through ComfyUI's fused call (Wan, MiniMax), through LowBit's layers and (``--unfused``) with their input
+    """``bench_wan_ffn.py``: the quantized MLP (Wan's GELU feed-forward, MiniMax's, Flux 2's, Z-Image's, Krea 2's and
+    HiDream's SwiGLU MLPs, HiDream's as its whole MoE MLP) through ComfyUI's fused call (Wan, MiniMax), through LowBit's layers and (``--unfused``) with their input
     computed first, all against the float MLP; on the CPU all run kitchen's eager INT8 numerics, so their errors
     agree."""
-    stock_call = model in ("wan", "minimax")  # Flux 2 and Z-Image have no fused call of ComfyUI's
+    stock_call = model in ("wan", "minimax")  # the others have no fused call of ComfyUI's
     out = tmp_path / "mlp.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(GPU_DIR / "bench_wan_ffn.py"), "--model", model, "--device", "cpu", "--sizes", "tiny",

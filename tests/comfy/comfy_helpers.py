@@ -244,14 +244,16 @@ def tiny_flux2_bf16() -> dict[str, torch.Tensor]:
                                                             operations=comfy.ops.disable_weight_init))
 
 
-def _tiny_denoiser_call(model_patcher, channels: int, seed: int, extra_conds, frames: int | None = None) -> torch.Tensor:
+def _tiny_denoiser_call(model_patcher, channels: int, seed: int, extra_conds, frames: int | None = None,
+                        text_width: int = 64) -> torch.Tensor:
     """One denoiser call on an 8x8 latent of ``channels`` (of ``frames``, for a model of video-shaped latents) with 16
-    text tokens of 64 (timestep 0.7), weights loaded first; ``extra_conds(device)``: the model's other conditioning."""
+    text tokens of ``text_width`` (timestep 0.7), weights loaded first; ``extra_conds(device)``: the model's other
+    conditioning."""
     import comfy.model_management
 
     gen = torch.Generator().manual_seed(seed)
     shape = (1, channels, 8, 8) if frames is None else (1, channels, frames, 8, 8)
-    x, context = torch.randn(*shape, generator=gen), torch.randn(1, 16, 64, generator=gen)
+    x, context = torch.randn(*shape, generator=gen), torch.randn(1, 16, text_width, generator=gen)
     comfy.model_management.load_models_gpu([model_patcher])
     dev = model_patcher.load_device
     with torch.no_grad():
@@ -345,6 +347,87 @@ def load_tiny_qwen(state_dict: dict[str, torch.Tensor] | None = None):
 def run_qwen(model_patcher, seed: int = 0) -> torch.Tensor:
     """One denoiser call of the tiny Qwen-Image (an 8x8 latent of one frame, 16 text tokens), weights loaded first."""
     return _tiny_denoiser_call(model_patcher, 16, seed, lambda dev: {}, frames=1)
+
+
+#: Krea 2's layout (single-stream blocks, AdaLN-single modulation, GQA with QK-norm and sigmoid gates, SwiGLU MLPs,
+#: text fusion over the text encoder's layers) at width 256: two heads of 128 (kv too), MLP 768, two blocks; the text
+#: side one layer of 80 (its 20 heads of 4), the only widths ComfyUI's detection does not read from the keys
+TINY_KREA2 = dict(image_model="krea2", features=256, channels=16, patch=2, layers=2, heads=2, kvheads=2, txtlayers=1,
+                  txtdim=80)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_krea2_bf16() -> dict[str, torch.Tensor]:
+    import comfy.ldm.krea2.model
+    import comfy.ops
+
+    return random_weights(lambda: comfy.ldm.krea2.model.SingleStreamDiT(**TINY_KREA2, device="meta",
+                                                                       operations=comfy.ops.disable_weight_init))
+
+
+def load_tiny_krea2(state_dict: dict[str, torch.Tensor] | None = None):
+    """The tiny Krea 2 (or ``state_dict``, one of another size), loaded by stock ComfyUI (its detection reads the
+    whole layout from the keys)."""
+    return load_stock(tiny_krea2_bf16() if state_dict is None else state_dict)
+
+
+def run_krea2(model_patcher, seed: int = 0) -> torch.Tensor:
+    """One denoiser call of the tiny Krea 2 (an 8x8 latent, 16 text tokens of its one text layer), weights loaded
+    first."""
+    return _tiny_denoiser_call(model_patcher, 16, seed, lambda dev: {}, text_width=TINY_KREA2["txtdim"])
+
+
+#: HiDream's layout (dual- then single-stream blocks, MoE MLPs of a shared and 4 routed SwiGLU experts, two active;
+#: its text MLP; per-block text projections) at width 256: two heads of 128, one block of each kind, text widths 64;
+#: ComfyUI's detection fixes the released model's widths (2560, 20 heads), so the tiny load fills the tiny ones in
+TINY_HIDREAM = dict(image_model="hidream", patch_size=2, in_channels=16, out_channels=16, num_layers=1,
+                    num_single_layers=1, attention_head_dim=128, num_attention_heads=2, caption_channels=[64, 64],
+                    text_emb_dim=64, num_routed_experts=4, num_activated_experts=2, axes_dims_rope=[64, 32, 32],
+                    max_resolution=[128, 128], llama_layers=[0, 1])
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_hidream_bf16() -> dict[str, torch.Tensor]:
+    import comfy.ldm.hidream.model
+    import comfy.ops
+
+    return random_weights(lambda: comfy.ldm.hidream.model.HiDreamImageTransformer2DModel(
+        **TINY_HIDREAM, device="meta", operations=comfy.ops.disable_weight_init))
+
+
+def load_tiny_hidream(state_dict: dict[str, torch.Tensor] | None = None, layout: dict | None = None):
+    """The tiny HiDream (or ``state_dict`` of ``layout``, another size), loaded by stock ComfyUI with that layout in
+    place of the widths its detection fixes."""
+    import comfy.model_detection
+
+    real = comfy.model_detection.detect_unet_config
+
+    def detect(state_dict, key_prefix, *args, **kwargs):
+        config = real(state_dict, key_prefix, *args, **kwargs)
+        if config and config.get("image_model") == "hidream":
+            config = {**config, **(layout or TINY_HIDREAM)}
+        return config
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(comfy.model_detection, "detect_unet_config", detect)
+        return load_stock(tiny_hidream_bf16() if state_dict is None else state_dict)
+
+
+def run_hidream(model_patcher, seed: int = 0) -> torch.Tensor:
+    """One call of the tiny HiDream's diffusion model (an 8x8 latent; 16 T5 tokens and 16 tokens of each of its two
+    llama layers, all 64 wide; a pooled embedding; timestep 0.7), weights loaded first."""
+    import comfy.model_management
+
+    gen = torch.Generator().manual_seed(seed)
+    x, context = torch.randn(1, 16, 8, 8, generator=gen), torch.randn(1, 16, 64, generator=gen)
+    llama, pooled = torch.randn(1, 2, 16, 64, generator=gen), torch.randn(1, 64, generator=gen)
+    comfy.model_management.load_models_gpu([model_patcher])
+    dev, dm = model_patcher.load_device, model_patcher.model.diffusion_model
+    dtype = model_patcher.model.get_dtype()
+    with torch.no_grad():
+        out = dm(x.to(dev, dtype), torch.tensor([0.7], device=dev), y=pooled.to(dev, dtype),
+                 context=context.to(dev, dtype), encoder_hidden_states_llama3=llama.to(dev, dtype))
+    return out.float().cpu()
 
 
 def flux_runner(model_patcher, output_0: torch.Tensor | None = None):

@@ -6,6 +6,8 @@ Usage (from the repository root)::
   python tests/gpu/bench_wan_ffn.py --model minimax --unfused --out minimax_mlp.json
   python tests/gpu/bench_wan_ffn.py --model flux2 --unfused --out flux2_mlp.json
   python tests/gpu/bench_wan_ffn.py --model zimage --unfused --out zimage_mlp.json
+  python tests/gpu/bench_wan_ffn.py --model krea2 --unfused --out krea2_mlp.json
+  python tests/gpu/bench_wan_ffn.py --model hidream --unfused --out hidream_mlp.json
   python tests/gpu/bench_wan_ffn.py --device cpu --sizes tiny --tokens 64 --iters 2   # CPU smoke run
 
 ComfyUI's ``WanFeedForward`` computes ``ffn.2`` as ``comfy.ops.linear_input_act(ffn[2], ffn[0](x), "gelu_tanh")``,
@@ -14,7 +16,9 @@ kitchen's INT8 linear with the activation inside its activation quantizer, witho
 routes that call through its layer (``nodes/input_act.py``), and computes the GELU or the SwiGLU inside its own
 activation quantization. Flux 2's double blocks run ``Linear -> SiLUActivation -> Linear`` (no fused call in
 ComfyUI); LowBit defers the SwiGLU to the second linear's activation quantization the same way, and so it does for
-Z-Image's ``FeedForward``, ``w2(silu(w1(x)) * w3(x))``, from the two linears' outputs. Per size (a
+Z-Image's ``FeedForward``, ``w2(silu(w1(x)) * w3(x))``, from the two linears' outputs, and for the MLPs that
+compute that product in their ``forward`` (Krea 2's ``SwiGLU``; HiDream's ``FeedForwardSwiGLU``, timed here as a
+dual-stream block's whole MoE MLP). Per size (a
 one-block model with random bf16 weights, loaded by ComfyUI, quantized by Quantize Model's core,
 ``int8_convrot`` unless ``--mode`` says otherwise) and token count, the median time of the whole MLP module:
 
@@ -101,6 +105,40 @@ def one_block_zimage(hidden: int, ffn: int, heads: int, device: torch.device):
     return model
 
 
+#: Krea 2 widths: hidden, MLP (its down-projection's input: 8/3 x 4 rounded up to 128), heads of 128 (the released
+#: model: 6144, 16384, 48, GQA with 12 kv heads)
+KREA2_SIZES = {"k2": (6144, 16384, 48), "tiny": (256, 768, 2)}
+
+
+def one_block_krea2(hidden: int, ffn: int, heads: int, device: torch.device):
+    import comfy.ldm.krea2.model as krea2_model
+    import comfy.ops
+    from comfy_helpers import TINY_KREA2, load_tiny_krea2, random_weights
+
+    config = dict(TINY_KREA2, features=hidden, heads=heads, kvheads=max(1, heads // 4), layers=1)
+    model = load_tiny_krea2(random_weights(lambda: krea2_model.SingleStreamDiT(
+        **config, device="meta", operations=comfy.ops.disable_weight_init), device=device))
+    assert model.model.diffusion_model.blocks[0].mlp.down.in_features == ffn
+    return model
+
+
+#: HiDream widths: hidden, a routed expert's MLP (its w2's input), heads of 128 (I1: 2560, 6912, 20); the module
+#: timed is a dual-stream block's MoE MLP: the shared expert and 4 routed ones, 2 active per token
+HIDREAM_SIZES = {"i1": (2560, 6912, 20), "tiny": (256, 768, 2)}
+
+
+def one_block_hidream(hidden: int, ffn: int, heads: int, device: torch.device):
+    import comfy.ldm.hidream.model as hidream_model
+    import comfy.ops
+    from comfy_helpers import TINY_HIDREAM, load_tiny_hidream, random_weights
+
+    layout = dict(TINY_HIDREAM, num_attention_heads=heads, num_single_layers=0, llama_layers=[0])
+    model = load_tiny_hidream(random_weights(lambda: hidream_model.HiDreamImageTransformer2DModel(
+        **layout, device="meta", operations=comfy.ops.disable_weight_init), device=device), layout)
+    assert model.model.diffusion_model.double_stream_blocks[0].block.ff_i.experts[0].w2.in_features == ffn
+    return model
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     sizes: dict
@@ -124,6 +162,10 @@ def _models() -> dict[str, Model]:
                        None, lambda mlp: mlp[0].weight, lambda tokens: (1, tokens)),  # SiLUActivation, no fused call
         "zimage": Model(ZIMAGE_SIZES, ("6b",), one_block_zimage, lambda dm: dm.layers[0].feed_forward, None,
                         lambda mlp: mlp.w1.weight, lambda tokens: (1, tokens)),  # w2(silu(w1(x)) * w3(x))
+        "krea2": Model(KREA2_SIZES, ("k2",), one_block_krea2, lambda dm: dm.blocks[0].mlp, None,
+                       lambda mlp: mlp.gate.weight, lambda tokens: (1, tokens)),  # down(silu(gate(x)) * up(x))
+        "hidream": Model(HIDREAM_SIZES, ("i1",), one_block_hidream, lambda dm: dm.double_stream_blocks[0].block.ff_i,
+                         None, lambda mlp: mlp.shared_experts.w1.weight, lambda tokens: (1, tokens)),  # MoE of those
     }
 
 
