@@ -30,6 +30,14 @@ def needs_triton_interpreter():
     return pytest.mark.skipif(not triton_interpreter_available(), reason=f"Triton interpreter unavailable: {reason}")
 
 
+def interpreter_model_marks(on_cpu: bool) -> list:
+    """``pytestmark`` of the tests that run LowBit's kernels through whole tiny ComfyUI models (the fused inputs, the
+    one-pass attention): ``interpreter_model`` (CI's run on the newest comfy-kitchen leaves them out: they test
+    LowBit's kernels and fusions, not kitchen, and they are the slowest tests in Triton's interpreter), and on the CPU
+    :func:`needs_triton_interpreter`."""
+    return [pytest.mark.interpreter_model, *([needs_triton_interpreter()] if on_cpu else [])]
+
+
 def randn(*shape: int, seed: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(dtype)

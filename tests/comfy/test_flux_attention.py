@@ -22,13 +22,13 @@ require_comfy()
 
 import comfy.ldm.flux.layers as flux_layers  # noqa: E402
 
-from kernels_helpers import needs_triton_interpreter  # noqa: E402
+from kernels_helpers import interpreter_model_marks  # noqa: E402
 from lowbit.nodes import flux_attention  # noqa: E402
 from lowbit.nodes.flux_attention import (FusedDoubleStreamBlockMixin, FusedSingleStreamBlockMixin,  # noqa: E402
                                          flux_block_classes)
 from lowbit.nodes.joint_attention import one_pass_wanted  # noqa: E402  (the real one: tests patch the module's)
 
-pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
+pytestmark = interpreter_model_marks(device().type == "cpu")
 
 IMG, TXT = 64, 8  # the tiny Flux's tokens: a 16x16 latent in 2x2 patches, 8 text tokens
 

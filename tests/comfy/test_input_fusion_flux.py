@@ -22,13 +22,13 @@ from comfy_helpers import (TritonFirst, assert_fused_as_computed, device, fused_
 
 require_comfy()
 
-from kernels_helpers import needs_triton_interpreter  # noqa: E402
+from kernels_helpers import interpreter_model_marks  # noqa: E402
 from lowbit.kernels import dispatch  # noqa: E402
 from lowbit.nodes.comfy_ops import DeferredGELUMixin, DeferredLayerNormMixin, DeferredSwiGLUMixin  # noqa: E402
 from lowbit.nodes.model_quant import quantize_model  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
-pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
+pytestmark = interpreter_model_marks(device().type == "cpu")
 
 
 @pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise", "int8_hadanorm", "w4a4", "w4a8"))

@@ -23,13 +23,13 @@ require_comfy()
 
 import comfy.ldm.lumina.model as lumina_model  # noqa: E402
 
-from kernels_helpers import needs_triton_interpreter  # noqa: E402
+from kernels_helpers import interpreter_model_marks  # noqa: E402
 from lowbit.nodes.comfy_ops import DeferredGatedFeedForwardMixin  # noqa: E402
 from lowbit.nodes.model_quant import quantize_model  # noqa: E402
 from lowbit.quant.deferred import DeferredInput  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
-pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
+pytestmark = interpreter_model_marks(device().type == "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ require_comfy()
 
 import comfy.ldm.qwen_image.model as qwen_model  # noqa: E402
 
-from kernels_helpers import needs_triton_interpreter  # noqa: E402
+from kernels_helpers import interpreter_model_marks  # noqa: E402
 from lowbit.nodes import joint_attention  # noqa: E402
 from lowbit.nodes.joint_attention import FusedJointAttentionMixin, joint_attention_classes  # noqa: E402
 
-pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
+pytestmark = interpreter_model_marks(device().type == "cpu")
 
 
 @pytest.fixture(autouse=True)
