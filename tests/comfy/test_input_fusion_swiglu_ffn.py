@@ -26,13 +26,13 @@ import comfy.ldm.krea2.model as krea2_model  # noqa: E402
 import comfy.ldm.modules.diffusionmodules.mmdit as mmdit  # noqa: E402
 import comfy.ldm.seedvr.model as seedvr_model  # noqa: E402
 
-from kernels_helpers import needs_triton_interpreter  # noqa: E402
+from kernels_helpers import interpreter_model_marks  # noqa: E402
 from lowbit.nodes.comfy_ops import is_lowbit_linear  # noqa: E402
 from lowbit.nodes.swiglu_ffn import (DeferredSwiGLUFeedForwardMixin, _computes_swiglu,  # noqa: E402
                                      swiglu_feed_forward_classes)
 from lowbit.quant.deferred import DeferredInput  # noqa: E402
 
-pytestmark = needs_triton_interpreter() if device().type == "cpu" else []
+pytestmark = interpreter_model_marks(device().type == "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +59,12 @@ def _count_nonempty_calls(ffns):
     return counter, quantized, [f.register_forward_pre_hook(hook) for f in quantized]
 
 
-@pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise"))  # the 4-bit fused paths: tests/test_input_fusion.py
-def test_krea2_swiglu_mlps_are_computed_inside_the_activation_quantization(krea2, fmt, monkeypatch):
+# one format per model: the pair prologue's other formats are tests/comfy/test_input_fusion_lumina.py's and
+# tests/test_input_fusion.py's
+def test_krea2_swiglu_mlps_are_computed_inside_the_activation_quantization(krea2, monkeypatch):
     float_model, float_output = krea2
-    model, ffns = quantized_with_deferring(float_model, fmt, krea2_model.SwiGLU, DeferredSwiGLUFeedForwardMixin)
+    model, ffns = quantized_with_deferring(float_model, "fp8_rowwise", krea2_model.SwiGLU,
+                                           DeferredSwiGLUFeedForwardMixin)
     dm = model.model.diffusion_model
     assert len(ffns) == len(dm.blocks) + len(dm.txtfusion.layerwise_blocks) + len(dm.txtfusion.refiner_blocks)
     counter, quantized, handles = _count_nonempty_calls(ffns)
