@@ -7,9 +7,9 @@ with no gating method of their own to override (Lumina's ``FeedForward`` has one
 in ``nodes/comfy_ops.py``). :func:`install_input_fusion` swaps such modules, per model, to a subclass whose
 ``forward`` calls the same three linears in the same order and hands the down-projection
 ``defer_swiglu_pair(gate(x), up(x))`` (``quant/deferred.py``): a LowBit linear computes the product inside its
-act-quant kernel, anything else gets the computed tensor. Where it cannot defer (CPU tensors outside Triton's
-interpreter, ``torch.compile`` tracing, autograd, two outputs of different shapes) the product is computed as the
-class computes it. :func:`swiglu_feed_forward_classes` finds the classes this ComfyUI has and checks once, on small
+act-quant kernel, anything else gets the computed tensor. Where it cannot defer (no rows, CPU tensors outside
+Triton's interpreter, ``torch.compile`` tracing, autograd, two outputs of different shapes) the product is computed
+as the class computes it. :func:`swiglu_feed_forward_classes` finds the classes this ComfyUI has and checks once, on small
 instances holding torch Linears, that each one's ``forward`` computes exactly that product in fp32, bf16 and fp16;
 a class that computes anything else (a newer ComfyUI's clamp, bias, dropout) keeps its own ``forward``.
 """

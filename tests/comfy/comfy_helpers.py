@@ -235,13 +235,36 @@ TINY_FLUX2 = dict(image_model="flux2", axes_dim=[32, 32, 32, 32], num_heads=2, m
                   guidance_embed=True, yak_mlp=False, txt_norm=False)
 
 
-@functools.lru_cache(maxsize=1)
-def tiny_flux2_bf16() -> dict[str, torch.Tensor]:
-    import comfy.ldm.flux.model
+def tiny_weights(module_name: str, class_name: str, layout: dict,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """:func:`random_weights` (on ``device``) of ComfyUI's ``module_name.class_name`` built with ``layout``."""
     import comfy.ops
 
-    return random_weights(lambda: comfy.ldm.flux.model.Flux(**TINY_FLUX2, device="meta",
-                                                            operations=comfy.ops.disable_weight_init))
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return random_weights(lambda: cls(**layout, device="meta", operations=comfy.ops.disable_weight_init),
+                          device=device)
+
+
+def load_detected(state_dict: dict[str, torch.Tensor], image_model: str, fill):
+    """``state_dict`` loaded by stock ComfyUI, its detected config of ``image_model`` amended by
+    ``fill(config, state_dict, key_prefix)`` for this load only (ComfyUI's detection fixes some widths to the
+    released model's)."""
+    import comfy.model_detection
+
+    real = comfy.model_detection.detect_unet_config
+
+    def detect(state_dict, key_prefix, *args, **kwargs):
+        config = real(state_dict, key_prefix, *args, **kwargs)
+        return fill(config, state_dict, key_prefix) if config and config.get("image_model") == image_model else config
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(comfy.model_detection, "detect_unet_config", detect)
+        return load_stock(state_dict)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_flux2_bf16() -> dict[str, torch.Tensor]:
+    return tiny_weights("comfy.ldm.flux.model", "Flux", TINY_FLUX2)
 
 
 def _tiny_denoiser_call(model_patcher, channels: int, seed: int, extra_conds, frames: int | None = None,
@@ -277,30 +300,17 @@ TINY_ZIMAGE = dict(patch_size=2, in_channels=16, dim=256, n_layers=2, n_refiner_
 
 @functools.lru_cache(maxsize=1)
 def tiny_zimage_bf16() -> dict[str, torch.Tensor]:
-    import comfy.ldm.lumina.model
-    import comfy.ops
-
-    return random_weights(lambda: comfy.ldm.lumina.model.NextDiT(**TINY_ZIMAGE, device="meta",
-                                                                 operations=comfy.ops.disable_weight_init))
+    return tiny_weights("comfy.ldm.lumina.model", "NextDiT", TINY_ZIMAGE)
 
 
 def load_tiny_zimage(state_dict: dict[str, torch.Tensor] | None = None):
     """The tiny Z-Image (or ``state_dict``, a Lumina 2 family model), loaded by stock ComfyUI. ComfyUI's detection
     reads the Lumina 2 family's width, layers and text width from the keys and fills in the rest for the two widths
     it knows (2304, 3840); for the tiny width this fills in the tiny layout the same way, for this load only."""
-    import comfy.model_detection
+    def fill(config, state_dict, key_prefix):
+        return {**TINY_ZIMAGE, **config} if config.get("dim") == TINY_ZIMAGE["dim"] else config
 
-    real = comfy.model_detection.detect_unet_config
-
-    def detect(state_dict, key_prefix, *args, **kwargs):
-        config = real(state_dict, key_prefix, *args, **kwargs)
-        if config and config.get("image_model") == "lumina2" and config.get("dim") == TINY_ZIMAGE["dim"]:
-            config = {**TINY_ZIMAGE, **config}
-        return config
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(comfy.model_detection, "detect_unet_config", detect)
-        return load_stock(tiny_zimage_bf16() if state_dict is None else state_dict)
+    return load_detected(tiny_zimage_bf16() if state_dict is None else state_dict, "lumina2", fill)
 
 
 def run_zimage(model_patcher, seed: int = 0) -> torch.Tensor:
@@ -316,32 +326,19 @@ TINY_QWEN = dict(num_layers=2, num_attention_heads=2, attention_head_dim=128, jo
 
 @functools.lru_cache(maxsize=1)
 def tiny_qwen_bf16() -> dict[str, torch.Tensor]:
-    import comfy.ldm.qwen_image.model
-    import comfy.ops
-
-    return random_weights(lambda: comfy.ldm.qwen_image.model.QwenImageTransformer2DModel(
-        **TINY_QWEN, device="meta", operations=comfy.ops.disable_weight_init))
+    return tiny_weights("comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel", TINY_QWEN)
 
 
 def load_tiny_qwen(state_dict: dict[str, torch.Tensor] | None = None):
     """The tiny Qwen-Image (or ``state_dict``, one of another size), loaded by stock ComfyUI: its detection gives the
     blocks and the input width, and this fills in the heads and text width the keys show, for this load only."""
-    import comfy.model_detection
+    def fill(config, state_dict, key_prefix):
+        head = state_dict[f"{key_prefix}transformer_blocks.0.attn.norm_q.weight"].shape[0]
+        width = state_dict[f"{key_prefix}img_in.weight"].shape[0]
+        return {**config, "attention_head_dim": head, "num_attention_heads": width // head,
+                "joint_attention_dim": state_dict[f"{key_prefix}txt_norm.weight"].shape[0]}
 
-    real = comfy.model_detection.detect_unet_config
-
-    def detect(state_dict, key_prefix, *args, **kwargs):
-        config = real(state_dict, key_prefix, *args, **kwargs)
-        if config and config.get("image_model") == "qwen_image":
-            head = state_dict[f"{key_prefix}transformer_blocks.0.attn.norm_q.weight"].shape[0]
-            width = state_dict[f"{key_prefix}img_in.weight"].shape[0]
-            config = {**config, "attention_head_dim": head, "num_attention_heads": width // head,
-                      "joint_attention_dim": state_dict[f"{key_prefix}txt_norm.weight"].shape[0]}
-        return config
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(comfy.model_detection, "detect_unet_config", detect)
-        return load_stock(tiny_qwen_bf16() if state_dict is None else state_dict)
+    return load_detected(tiny_qwen_bf16() if state_dict is None else state_dict, "qwen_image", fill)
 
 
 def run_qwen(model_patcher, seed: int = 0) -> torch.Tensor:
@@ -358,11 +355,7 @@ TINY_KREA2 = dict(image_model="krea2", features=256, channels=16, patch=2, layer
 
 @functools.lru_cache(maxsize=1)
 def tiny_krea2_bf16() -> dict[str, torch.Tensor]:
-    import comfy.ldm.krea2.model
-    import comfy.ops
-
-    return random_weights(lambda: comfy.ldm.krea2.model.SingleStreamDiT(**TINY_KREA2, device="meta",
-                                                                       operations=comfy.ops.disable_weight_init))
+    return tiny_weights("comfy.ldm.krea2.model", "SingleStreamDiT", TINY_KREA2)
 
 
 def load_tiny_krea2(state_dict: dict[str, torch.Tensor] | None = None):
@@ -388,29 +381,14 @@ TINY_HIDREAM = dict(image_model="hidream", patch_size=2, in_channels=16, out_cha
 
 @functools.lru_cache(maxsize=1)
 def tiny_hidream_bf16() -> dict[str, torch.Tensor]:
-    import comfy.ldm.hidream.model
-    import comfy.ops
-
-    return random_weights(lambda: comfy.ldm.hidream.model.HiDreamImageTransformer2DModel(
-        **TINY_HIDREAM, device="meta", operations=comfy.ops.disable_weight_init))
+    return tiny_weights("comfy.ldm.hidream.model", "HiDreamImageTransformer2DModel", TINY_HIDREAM)
 
 
 def load_tiny_hidream(state_dict: dict[str, torch.Tensor] | None = None, layout: dict | None = None):
     """The tiny HiDream (or ``state_dict`` of ``layout``, another size), loaded by stock ComfyUI with that layout in
     place of the widths its detection fixes."""
-    import comfy.model_detection
-
-    real = comfy.model_detection.detect_unet_config
-
-    def detect(state_dict, key_prefix, *args, **kwargs):
-        config = real(state_dict, key_prefix, *args, **kwargs)
-        if config and config.get("image_model") == "hidream":
-            config = {**config, **(layout or TINY_HIDREAM)}
-        return config
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(comfy.model_detection, "detect_unet_config", detect)
-        return load_stock(tiny_hidream_bf16() if state_dict is None else state_dict)
+    return load_detected(tiny_hidream_bf16() if state_dict is None else state_dict, "hidream",
+                         lambda config, state_dict, key_prefix: {**config, **(layout or TINY_HIDREAM)})
 
 
 def run_hidream(model_patcher, seed: int = 0) -> torch.Tensor:

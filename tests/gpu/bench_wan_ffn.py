@@ -111,13 +111,10 @@ KREA2_SIZES = {"k2": (6144, 16384, 48), "tiny": (256, 768, 2)}
 
 
 def one_block_krea2(hidden: int, ffn: int, heads: int, device: torch.device):
-    import comfy.ldm.krea2.model as krea2_model
-    import comfy.ops
-    from comfy_helpers import TINY_KREA2, load_tiny_krea2, random_weights
+    from comfy_helpers import TINY_KREA2, load_tiny_krea2, tiny_weights
 
     config = dict(TINY_KREA2, features=hidden, heads=heads, kvheads=max(1, heads // 4), layers=1)
-    model = load_tiny_krea2(random_weights(lambda: krea2_model.SingleStreamDiT(
-        **config, device="meta", operations=comfy.ops.disable_weight_init), device=device))
+    model = load_tiny_krea2(tiny_weights("comfy.ldm.krea2.model", "SingleStreamDiT", config, device))
     assert model.model.diffusion_model.blocks[0].mlp.down.in_features == ffn
     return model
 
@@ -128,13 +125,11 @@ HIDREAM_SIZES = {"i1": (2560, 6912, 20), "tiny": (256, 768, 2)}
 
 
 def one_block_hidream(hidden: int, ffn: int, heads: int, device: torch.device):
-    import comfy.ldm.hidream.model as hidream_model
-    import comfy.ops
-    from comfy_helpers import TINY_HIDREAM, load_tiny_hidream, random_weights
+    from comfy_helpers import TINY_HIDREAM, load_tiny_hidream, tiny_weights
 
     layout = dict(TINY_HIDREAM, num_attention_heads=heads, num_single_layers=0, llama_layers=[0])
-    model = load_tiny_hidream(random_weights(lambda: hidream_model.HiDreamImageTransformer2DModel(
-        **layout, device="meta", operations=comfy.ops.disable_weight_init), device=device), layout)
+    model = load_tiny_hidream(tiny_weights("comfy.ldm.hidream.model", "HiDreamImageTransformer2DModel", layout,
+                                           device), layout)
     assert model.model.diffusion_model.double_stream_blocks[0].block.ff_i.experts[0].w2.in_features == ffn
     return model
 
