@@ -49,7 +49,7 @@ def hidream():
 
 def _count_nonempty_calls(ffns):
     """Forward pre-hooks counting the calls of ``ffns`` whose down-projection is a LowBit linear and whose input has
-    rows (those hand it a deferred product); returns (counter, handles)."""
+    rows (those hand it a deferred product); returns (counter, those of ``ffns`` hooked, the hooks' handles)."""
     counter = {"calls": 0}
 
     def hook(module, args):
