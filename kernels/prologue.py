@@ -16,10 +16,14 @@ intermediate is never stored.
   Z-Image's ``w2(silu(w1(x)) * w3(x))``); ``a`` may be absent.
 * :class:`NormModPrologue` - ``shift + layer_norm(x) * mult`` (no affine weights, as the DiT blocks
   use it; ``mult`` and ``shift`` may be absent): ``x`` ``[M, K]``, ``mult``/``shift`` one row of ``K``
-  values per batch element, each batch element ``rows_per_batch`` consecutive rows of ``x``.
+  values per batch element, each batch element ``rows_per_batch`` consecutive rows of ``x``. With ``rms``
+  the norm is ``rms_norm(x, weight)`` (Lumina 2's and Z-Image's ``x * (1 + scale)``, Krea 2's
+  ``(1 + scale) * norm + shift``: ``two_step``, the product rounded before the shift is added).
 
 Each rounds what it computes to the input's dtype where the unfused graph stores a tensor (after the
-GELU; after the SiLU and after the gating product; after the normalization and after the modulation),
+GELU; after the SiLU and after the gating product; after the normalization - an RMSNorm's weight
+applied before that rounding, as torch's fused ``rms_norm`` does - and after the modulation, and after each
+of its two steps where ``two_step``),
 so the codes are those of the tensor the unfused graph would quantize, up to the last bit of ``tanh``, of
 the SiLU's exponential or of the row variance.
 :meth:`materialize` is that unfused graph in torch (the reference, and the fallback wherever a kernel
@@ -135,14 +139,26 @@ class SwigluPrologue(_AfterInput):
 
 @dataclass(frozen=True, eq=False)
 class NormModPrologue:
-    """``shift + layer_norm(x, eps) * mult`` per row; ``mult``/``shift``: ``[B, K]`` (row ``i`` of ``x`` uses
-    row ``i // rows_per_batch``), ``[1, K]`` (every row) or None (1 / 0). ``x``: 2-D, unit column stride."""
+    """``shift + norm(x) * mult`` per row; ``mult``/``shift``: ``[B, K]`` (row ``i`` of ``x`` uses
+    row ``i // rows_per_batch``), ``[1, K]`` (every row) or None (1 / 0). ``x``: 2-D, unit column stride.
+
+    ``norm`` is ``layer_norm(x, eps)`` without affine weights, or with ``rms`` ``rms_norm(x, weight, eps)``:
+    ``weight`` (``[K]``, optional) of ``x``'s dtype is torch's ``F.rms_norm(x, (K,), weight, eps)``; an fp32
+    ``weight`` is ``F.rms_norm(x.float(), (K,), weight, eps).to(x.dtype)`` (Krea 2's RMSNorm). Either way the
+    normalized row times the weight is rounded once, or with ``round_before_weight`` (a weight of ``x``'s dtype,
+    where torch's ``rms_norm`` runs its composite form) the normalized row is rounded, then times the weight
+    (``quant/deferred.rms_norm_weight_rounding`` finds which). ``two_step``: ``norm * mult`` rounded, then ``+ shift``
+    (two ops, as Krea 2 writes it) instead of one ``addcmul``."""
 
     x: torch.Tensor
     eps: float
     mult: torch.Tensor | None = None
     shift: torch.Tensor | None = None
     rows_per_batch: int = 0  # 0: the modulation rows apply to every row (one batch element)
+    rms: bool = False
+    weight: torch.Tensor | None = None
+    two_step: bool = False
+    round_before_weight: bool = False  # torch's composite rms_norm: the normalized row rounded, then times weight
 
     def __post_init__(self):
         if self.x.dim() != 2:
@@ -161,15 +177,28 @@ class NormModPrologue:
         rpb = self.rows_per_batch
         if batches not in (None, 1) and (rpb <= 0 or rpb * batches != m):
             raise PrologueError(f"{batches} modulation rows do not split {m} rows into batch elements of {rpb}")
+        w = self.weight
+        if w is not None:
+            if not self.rms:
+                raise PrologueError("a norm weight is for the RMSNorm prologue (rms=True) only")
+            if self.round_before_weight and w.dtype != self.x.dtype:
+                raise PrologueError("round_before_weight is torch's composite rms_norm with a weight of x's dtype")
+            if (w.shape != (k,) or w.device != self.x.device or w.dtype not in (self.x.dtype, torch.float32)
+                    or w.stride(0) != 1):
+                raise PrologueError(f"weight must be a contiguous [{k}] of {self.x.dtype} or float32 on "
+                                    f"{self.x.device}, got {tuple(w.shape)} {w.dtype} on {w.device}")
 
     @classmethod
     def checked_by_caller(cls, x: torch.Tensor, eps: float, mult: torch.Tensor | None = None,
-                          shift: torch.Tensor | None = None, rows_per_batch: int = 0) -> "NormModPrologue":
+                          shift: torch.Tensor | None = None, rows_per_batch: int = 0, rms: bool = False,
+                          weight: torch.Tensor | None = None, two_step: bool = False,
+                          round_before_weight: bool = False) -> "NormModPrologue":
         """The prologue without ``__post_init__``'s checks, for a caller that has made them already (the
         deferred norms build two per modulated norm on every call)."""
         new = object.__new__(cls)
         # the fields straight into the instance dict (what the frozen dataclass's __init__ stores), in one call
-        new.__dict__.update(x=x, eps=eps, mult=mult, shift=shift, rows_per_batch=rows_per_batch)
+        new.__dict__.update(x=x, eps=eps, mult=mult, shift=shift, rows_per_batch=rows_per_batch, rms=rms,
+                            weight=weight, two_step=two_step, round_before_weight=round_before_weight)
         return new
 
     @property
@@ -185,14 +214,28 @@ class NormModPrologue:
             return t
         return t.repeat_interleave(self.rows_per_batch, dim=0)
 
+    def normalized(self) -> torch.Tensor:
+        """The norm's output, before the modulation (what the model's norm module returns)."""
+        k = self.x.shape[1]
+        if not self.rms:
+            return F.layer_norm(self.x, (k,), None, None, self.eps)
+        w = self.weight
+        if w is not None and w.dtype != self.x.dtype:  # an fp32 weight: the norm computed in fp32
+            return F.rms_norm(self.x.float(), (k,), w, self.eps).to(self.x.dtype)
+        if self.round_before_weight:  # what torch computes where it found so (or is told: the tests)
+            return F.rms_norm(self.x, (k,), None, self.eps) * w
+        return F.rms_norm(self.x, (k,), w, self.eps)
+
     def materialize(self) -> torch.Tensor:
-        out = F.layer_norm(self.x, (self.x.shape[1],), None, None, self.eps)
+        out = self.normalized()
         if self.mult is None and self.shift is None:
             return out
         if self.shift is None:
             return out * self._per_row(self.mult)
         if self.mult is None:
             return out + self._per_row(self.shift)
+        if self.two_step:
+            return out * self._per_row(self.mult) + self._per_row(self.shift)
         return torch.addcmul(self._per_row(self.shift), out, self._per_row(self.mult))
 
 

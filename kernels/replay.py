@@ -2,7 +2,7 @@
 
 A steady-state plan (``w8a8_linear._TritonW8A8Plan``, ``w4_linear``'s Triton plans) serves every layer
 of its format and shapes. Per kind of input – a tensor of ``M`` rows and row stride, or a prologue
-(``kernels/prologue.py``) of ``M`` rows with its GELU approximation or norm epsilon and batch rows, or a
+(``kernels/prologue.py``) of ``M`` rows with its GELU approximation or norm (kind, epsilon, weight) and batch rows, or a
 SwiGLU of ``M`` rows (its up half given apart or not) – :class:`PlanReplays` runs the first call as usual
 (it may compile a kernel, or check a variant against another), records the launches of the second, and
 replays them from the third call on.
@@ -33,7 +33,9 @@ def input_kind(x) -> tuple[tuple, tuple]:
         if x.up is not None:  # the up half a tensor of its own
             return ("swiglu_pair", x.x.shape[0]), (x.x, x.a, x.up)
         return ("swiglu", x.x.shape[0]), (x.x, x.a)
-    return ("norm", x.x.shape[0], x.eps, x.rows_per_batch), (x.x, x.mult, x.shift)
+    return (("norm", x.x.shape[0], x.eps, x.rows_per_batch, x.rms, x.weight is not None, x.two_step,
+             x.round_before_weight),
+            (x.x, x.mult, x.shift, x.weight))
 
 
 class PlanReplays:

@@ -84,13 +84,14 @@ def default_split(k: int, rotate: bool) -> str:
 @triton.jit
 def _act_quant_kernel(
     x_ptr, q_ptr, scale_ptr, mean_ptr, smooth_ptr, pmat_ptr, qmat_ptr, hmat_ptr, outlier_ptr, aux_ptr, shift_ptr,
-    M, K, R, stride_xm, stride_qm, qmax, rot_norm, KA, stride_am, rows_per_batch, stride_mb, stride_sb, eps,
+    nw_ptr, M, K, R, stride_xm, stride_qm, qmax, rot_norm, KA, stride_am, rows_per_batch, stride_mb, stride_sb, eps,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr,
     OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
     PROLOGUE: tl.constexpr, APPROX: tl.constexpr, HAS_A: tl.constexpr, HAS_MULT: tl.constexpr,
-    HAS_SHIFT: tl.constexpr, SRC_ROUND: tl.constexpr,
+    HAS_SHIFT: tl.constexpr, SRC_ROUND: tl.constexpr, NORM_RMS: tl.constexpr, HAS_NW: tl.constexpr,
+    TWO_STEP: tl.constexpr, NW_ROUNDED: tl.constexpr, PTX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -102,9 +103,9 @@ def _act_quant_kernel(
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
     else:  # the input computed from its sources (kernels/prologue.py), never stored
-        x = _prologue_rows(x_ptr, aux_ptr, shift_ptr, rows, cols, row_ok, K, KA, stride_xm, stride_am,
+        x = _prologue_rows(x_ptr, aux_ptr, shift_ptr, nw_ptr, rows, cols, row_ok, K, KA, stride_xm, stride_am,
                            rows_per_batch, stride_mb, stride_sb, eps, PROLOGUE, APPROX, HAS_A, HAS_MULT, HAS_SHIFT,
-                           SRC_ROUND)
+                           SRC_ROUND, NORM_RMS, HAS_NW, TWO_STEP, NW_ROUNDED, PTX)
     if HAS_SMOOTH:
         smooth = tl.load(smooth_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         x = x * smooth[None, :]
@@ -280,12 +281,13 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     _LAUNCHER.launch(
         (programs,),
         (x, q, scale, mean, smooth if smooth is not None else scale, pmat, qmat, hmat,
-         outlier_index if r else scale, *pro_args[:2], m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm),
-         *pro_args[2:]),
+         outlier_index if r else scale, *pro_args[:3], m, k, r, x.stride(0), q.stride(0), float(qmax), float(norm),
+         *pro_args[3:]),
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
              ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
              R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting(),
+             PTX=x.is_cuda and not interpreting() and torch.version.hip is None,
              **pro_flags),
         **(dict(num_warps=num_warps) if max_registers is None else dict(num_warps=num_warps, maxnreg=max_registers)),
     )
@@ -303,28 +305,32 @@ def _unit_columns(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _prologue_arguments(prologue, unused: torch.Tensor) -> tuple[tuple, dict]:
-    """The kernel's prologue arguments: ``(aux, shift, KA, stride_am, rows_per_batch, stride_mb, stride_sb,
-    eps)`` and the constexpr flags (all off without a prologue)."""
+    """The kernel's prologue arguments: ``(aux, shift, norm weight, KA, stride_am, rows_per_batch, stride_mb,
+    stride_sb, eps)`` and the constexpr flags (all off without a prologue)."""
+    flags = dict(PROLOGUE=0, APPROX=0, HAS_A=False, HAS_MULT=False, HAS_SHIFT=False, SRC_ROUND=0, NORM_RMS=False,
+                 HAS_NW=False, TWO_STEP=False, NW_ROUNDED=False)
     if prologue is None:
-        return (unused, unused, 0, 0, 1, 0, 0, 0.0), dict(PROLOGUE=0, APPROX=0, HAS_A=False, HAS_MULT=False,
-                                                            HAS_SHIFT=False, SRC_ROUND=0)
+        return (unused, unused, unused, 0, 0, 1, 0, 0, 0.0), flags
     if isinstance(prologue, (GeluPrologue, SwigluPrologue)):  # [a | gelu(b)] or [a | silu(gate) * up]
         a = _unit_columns(prologue.a)
         gelu = isinstance(prologue, GeluPrologue)
         up = None if gelu else _unit_columns(prologue.up)  # a SwiGLU's up given apart: the shift slot (PROLOGUE 4)
-        return ((unused if a is None else a, unused if up is None else up, 0 if a is None else a.shape[1],
-                 0 if a is None else a.stride(0), 1, 0, 0 if up is None else up.stride(0), 0.0),
-                dict(PROLOGUE=1 if gelu else 3 if up is None else 4,
+        flags.update(PROLOGUE=1 if gelu else 3 if up is None else 4,
                      APPROX=GELU_APPROXIMATIONS[prologue.approximate] if gelu else 0,
-                     HAS_A=a is not None, HAS_MULT=False, HAS_SHIFT=False, SRC_ROUND=_src_rounding(prologue.source)))
-    mult, shift = _unit_columns(prologue.mult), _unit_columns(prologue.shift)
+                     HAS_A=a is not None, SRC_ROUND=_src_rounding(prologue.source))
+        return ((unused if a is None else a, unused if up is None else up, unused, 0 if a is None else a.shape[1],
+                 0 if a is None else a.stride(0), 1, 0, 0 if up is None else up.stride(0), 0.0), flags)
+    mult, shift, weight = _unit_columns(prologue.mult), _unit_columns(prologue.shift), prologue.weight
 
     def batch_stride(t):
         return 0 if t is None or t.shape[0] == 1 else t.stride(0)
-    return ((unused if mult is None else mult, unused if shift is None else shift, 0, 0,
-             max(1, prologue.rows_per_batch), batch_stride(mult), batch_stride(shift), float(prologue.eps)),
-            dict(PROLOGUE=2, APPROX=0, HAS_A=False, HAS_MULT=mult is not None, HAS_SHIFT=shift is not None,
-                 SRC_ROUND=_src_rounding(prologue.x)))
+    flags.update(PROLOGUE=2, HAS_MULT=mult is not None, HAS_SHIFT=shift is not None,
+                 SRC_ROUND=_src_rounding(prologue.x), NORM_RMS=bool(prologue.rms), HAS_NW=weight is not None,
+                 TWO_STEP=bool(prologue.two_step) and mult is not None and shift is not None,
+                 NW_ROUNDED=bool(prologue.round_before_weight) and weight is not None)
+    return ((unused if mult is None else mult, unused if shift is None else shift,
+             unused if weight is None else weight, 0, 0, max(1, prologue.rows_per_batch), batch_stride(mult),
+             batch_stride(shift), float(prologue.eps)), flags)
 
 
 _LAUNCHER = TritonLauncher(_act_quant_kernel)

@@ -9,9 +9,13 @@ decides the order of ops, so the fusion has to be arranged without changing that
   that holds only a recipe (``kernels/prologue.py``); so do Flux 2's ``SiLUActivation`` modules and the
   SwiGLU of ComfyUI's fused ``linear_input_act`` calls on a LowBit layer (``defer_swiglu``), and the gating of
   Lumina 2's and Z-Image's ``FeedForward`` (``defer_swiglu_pair``: the gate and up are two linears' outputs);
-* two follow-up ops extend the recipe instead of running: ``torch.cat((a, gelu), -1)`` (Flux's single
-  blocks; Flux 2's with its SwiGLU) and ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation,
-  ComfyUI's ``apply_mod``); an inactive dropout (``p`` 0, or not training: Qwen-Image's MLP runs one between its
+* so do the RMSNorms before a block's attention and MLP (``defer_rms_norm``: Lumina 2's and Z-Image's,
+  Krea 2's; ``nodes/rms_norm.py`` says which);
+* some follow-up ops extend the recipe instead of running: ``torch.cat((a, gelu), -1)`` (Flux's single
+  blocks; Flux 2's with its SwiGLU), ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation,
+  ComfyUI's ``apply_mod``), a norm times one modulation row per batch element (``norm * mult``, either
+  order: Z-Image's ``x * (1 + scale)``) and, after it or alone, plus one (``norm * mult + shift``: Krea 2's,
+  HunyuanVideo's ``modulate``); an inactive dropout (``p`` 0, or not training: Qwen-Image's MLP runs one between its
   GELU and its down-projection) returns it as it is;
 * a LowBit linear that receives one hands the recipe to its format's fused path
   (``FormatCodec.prologue_linear``): the act-quant kernel computes the rows from the sources.
@@ -39,6 +43,8 @@ MAX_FEATURES = 32768  # the act-quant kernel's register-resident rows (triton_ac
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _CAT = {torch.cat, getattr(torch, "concat", torch.cat), getattr(torch, "concatenate", torch.cat)}
+_MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+_ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 #: what a DeferredInput answers itself: its metadata (anything else materializes it)
 _METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
              torch.Tensor.ndim.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.requires_grad.__get__,
@@ -84,6 +90,10 @@ class DeferredInput(torch.Tensor):
             out = _deferred_cat(*args, **kwargs)
         elif func is torch.addcmul:
             out = _deferred_addcmul(*args, **kwargs)
+        elif func in _MUL:
+            out = _deferred_mul(*args, **kwargs)
+        elif func in _ADD:
+            out = _deferred_add(*args, **kwargs)
         elif func is torch.nn.functional.dropout:
             out = _inactive_dropout(*args, **kwargs)
         if out is not None:
@@ -154,6 +164,56 @@ def defer_layer_norm(x: torch.Tensor, eps: float) -> DeferredInput | None:
     return DeferredInput(NormModPrologue.checked_by_caller(_rows(x), float(eps)), x.shape[:-1])  # 2-D rows
 
 
+def defer_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> DeferredInput | None:
+    """``rms_norm(x, weight)`` over the last dim, deferred; ``None`` where it cannot be. ``weight`` of ``x``'s
+    dtype stands for ``F.rms_norm(x, (K,), weight, eps)`` (rounded as :func:`rms_norm_weight_rounding` finds torch
+    does on this device; ``None`` there: not deferred), an fp32 one for ``F.rms_norm(x.float(), (K,), weight,
+    eps).to(x.dtype)`` (``kernels/prologue.NormModPrologue``)."""
+    if not can_defer(x) or (weight is not None and (type(weight) is not torch.Tensor or weight.dim() != 1
+                                                    or weight.shape[0] != x.shape[-1] or weight.device != x.device
+                                                    or weight.dtype not in (x.dtype, torch.float32))):
+        return None
+    rounded = False
+    if weight is not None:
+        if weight.dtype == x.dtype and weight.dtype != torch.float32:
+            rounding = rms_norm_weight_rounding(x.device, x.dtype)
+            if rounding is None:
+                return None
+            rounded = rounding == "twice"
+        if weight.stride(0) != 1:
+            weight = weight.contiguous()
+    return DeferredInput(NormModPrologue.checked_by_caller(_rows(x), float(eps), rms=True, weight=weight,
+                                                           round_before_weight=rounded), x.shape[:-1])
+
+
+_WEIGHT_ROUNDING: dict = {}
+
+
+def rms_norm_weight_rounding(device: torch.device, dtype: torch.dtype) -> str | None:
+    """How torch's ``F.rms_norm`` with a weight of the input's ``dtype`` rounds on ``device``: ``"once"``
+    (``x * rsqrt(mean(x^2) + eps) * weight`` rounded once: torch's fused kernels), ``"twice"`` (the normalized row
+    rounded, then times the weight: its composite form), or ``None`` (neither: such a norm is not deferred).
+    Measured once per device type and dtype on a small input."""
+    key = (device.type, dtype)
+    if key not in _WEIGHT_ROUNDING:
+        gen = torch.Generator().manual_seed(0)
+        x = (torch.randn(8, 512, generator=gen) * 3 + 0.5).to(dtype=dtype).to(device)
+        w = (1 + 0.3 * torch.randn(512, generator=gen)).to(dtype=dtype).to(device)
+        found = None
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            got = torch.nn.functional.rms_norm(x, (512,), w, 1e-5)
+            xf = x.float()
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+            # a reduction in another order may move the last bit of a few rows' rsqrt; the other rounding moves
+            # most elements
+            for name, want in (("once", (normed * w.float()).to(dtype)), ("twice", normed.to(dtype) * w)):
+                if (got != want).float().mean().item() < 0.01:
+                    found = name
+                    break
+        _WEIGHT_ROUNDING[key] = found
+    return _WEIGHT_ROUNDING[key]
+
+
 def _deferred_cat(tensors, dim=0, *, out=None):
     """``cat((a, gelu(b)), -1)`` / ``cat((a, swiglu(x)), -1)`` as a deferred ``[a | ...]``; ``None`` for any other
     concatenation."""
@@ -216,5 +276,62 @@ def _deferred_addcmul(shift, tensor1, tensor2, *, value=1, out=None):
     return DeferredInput(NormModPrologue.checked_by_caller(p.x, p.eps, mult, add, rows_per_batch), lead)
 
 
-__all__ = ["DeferredInput", "can_defer", "defer_gelu", "defer_layer_norm", "defer_swiglu", "defer_swiglu_pair",
-           "materialize"]
+def _plain_norm(d) -> NormModPrologue | None:
+    """The prologue of a deferred norm not modulated yet (nor computed); ``None`` for anything else."""
+    if not isinstance(d, DeferredInput) or d._value is not None:
+        return None
+    p = d.prologue
+    return p if isinstance(p, NormModPrologue) and p.mult is None and p.shift is None else None
+
+
+def _modulation_row(t, d: DeferredInput, p: NormModPrologue) -> torch.Tensor | None:
+    """``t`` as ``[B or 1, K]`` rows of ``p``'s dtype and device that broadcast over ``d`` one per batch element."""
+    x = p.x
+    row = _per_batch(t, d.lead_shape, x.shape[1])
+    return row if row is not None and row.dtype == x.dtype and row.device == x.device else None
+
+
+def _modulated(d: DeferredInput, p: NormModPrologue, mult, shift, two_step: bool) -> DeferredInput:
+    k = p.x.shape[1]
+    batches = max(t.shape[0] for t in (mult, shift) if t is not None)
+    if batches > 1:
+        mult, shift = (None if t is None else t.expand(batches, k) for t in (mult, shift))
+    rows_per_batch = math.prod(d.lead_shape[1:]) if batches > 1 else 0
+    return DeferredInput(NormModPrologue.checked_by_caller(p.x, p.eps, mult, shift, rows_per_batch, p.rms, p.weight,
+                                                           two_step, p.round_before_weight), d.lead_shape)
+
+
+def _deferred_mul(a, b, *, out=None):
+    """``norm * mult`` (either order; ``mult`` one row per batch element, as :func:`_per_batch` reads it) as a
+    deferred modulated norm; ``None`` otherwise."""
+    if out is not None:
+        return None
+    d, t = (a, b) if isinstance(a, DeferredInput) else (b, a)
+    p = _plain_norm(d)
+    if p is None or isinstance(t, DeferredInput):
+        return None
+    mult = _modulation_row(t, d, p)
+    return None if mult is None else _modulated(d, p, mult, None, False)
+
+
+def _deferred_add(a, b, *, alpha=1, out=None):
+    """``norm + shift`` or ``norm * mult + shift`` (either order; ``shift`` one row per batch element) as a
+    deferred modulated norm, the product rounded before the sum as two ops round it; ``None`` otherwise."""
+    if out is not None or alpha != 1:
+        return None
+    d, t = (a, b) if isinstance(a, DeferredInput) else (b, a)
+    if not isinstance(d, DeferredInput) or isinstance(t, DeferredInput) or d._value is not None:
+        return None
+    p = d.prologue
+    if not isinstance(p, NormModPrologue) or p.shift is not None:
+        return None
+    shift = _modulation_row(t, d, p)
+    if shift is None:
+        return None
+    if p.mult is not None and 1 < p.mult.shape[0] != shift.shape[0] > 1:
+        return None
+    return _modulated(d, p, p.mult, shift, p.mult is not None)
+
+
+__all__ = ["DeferredInput", "can_defer", "defer_gelu", "defer_layer_norm", "defer_rms_norm", "defer_swiglu",
+           "defer_swiglu_pair", "materialize", "rms_norm_weight_rounding"]

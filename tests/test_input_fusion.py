@@ -6,9 +6,12 @@
   fp16 and bf16; the GELU prologue the same with a rotation; the SwiGLU prologue (``silu(gate) * up``,
   ComfyUI's eager form) the same, rotated or not, INT8 and e4m3, bf16, fp16 and fp32, with gates far
   enough below zero that the SiLU's exponential overflows, after an attention output (Flux 2), and with the
-  gate and up given apart (Lumina 2's and Z-Image's two linears).
+  gate and up given apart (Lumina 2's and Z-Image's two linears); the RMSNorm prologue (a weight of the input's
+  dtype, rounded once or before the weight; an fp32 one; the modulation as one ``addcmul`` or as a product then a
+  sum) the same.
 * A ``DeferredInput`` answers shape, dtype and device without computing anything; ``cat`` with a
-  deferred GELU and ``addcmul`` of a deferred norm extend the recipe; every other op (in place ones
+  deferred GELU, ``addcmul`` of a deferred norm and a norm times then plus one modulation row per batch element
+  extend the recipe; every other op (in place ones
   included) sees the materialized tensor, equal to what torch computes without deferral.
 * Each W8A8 format's ``prologue_linear`` runs the settled plan on the prologue (after one unfused call)
   and gives the unfused linear's bits; without a settled plan, or with one that does not take our
@@ -31,7 +34,8 @@ from lowbit.kernels.gemm_config import default_config
 from lowbit.kernels.prologue import GeluPrologue, NormModPrologue, PrologueError, SwigluPrologue
 from lowbit.kernels.reference import FP8, FP8_MAX, INT8_MAX
 from lowbit.kernels.triton_act_quant import act_quant_triton
-from lowbit.quant.deferred import DeferredInput, defer_gelu, defer_layer_norm, defer_swiglu, defer_swiglu_pair
+from lowbit.quant.deferred import (DeferredInput, defer_gelu, defer_layer_norm, defer_rms_norm, defer_swiglu,
+                                  defer_swiglu_pair, rms_norm_weight_rounding)
 from lowbit.quant.formats import FORMATS
 
 K = 256
@@ -77,6 +81,109 @@ def test_norm_prologue_without_mult_or_shift(mult, shift):
     q, s, _ = act_quant_triton(prologue, torch.int8, INT8_MAX, "none", 0, None, False)
     qr, sr, _ = act_quant_triton(prologue.materialize(), torch.int8, INT8_MAX, "none", 0, None, False)
     assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
+@interpreter
+@pytest.mark.parametrize("code,rotation,group", [("int8", "none", 0), ("int8", "regular", 256), ("fp8", "none", 0)])
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("weight", ("input dtype", "input dtype, rounded first", "fp32", None))
+@pytest.mark.parametrize("two_step", (False, True))
+def test_rms_norm_prologue_codes_equal_the_kernel_on_the_materialized_input(code, rotation, group, dtype, weight,
+                                                                            two_step):
+    out_dtype, qmax = (torch.int8, INT8_MAX) if code == "int8" else (FP8, FP8_MAX)
+    x, mult, shift = _norm_inputs(5, K, 2, dtype, seed=17)
+    w = None if weight is None else (1 + randn(K, seed=19, scale=0.3))
+    if w is not None:
+        w = w.to(dtype if weight.startswith("input") else torch.float32)
+    first = weight == "input dtype, rounded first"
+    prologue = NormModPrologue(x, 1e-5, mult, shift, 5, rms=True, weight=w, two_step=two_step,
+                               round_before_weight=first)
+    materialized = prologue.materialize()
+    if first:
+        norm = F.rms_norm(x, (K,), None, 1e-5) * w
+    elif w is None or w.dtype == dtype:
+        norm = F.rms_norm(x, (K,), w, 1e-5)
+    else:
+        norm = F.rms_norm(x.float(), (K,), w, 1e-5).to(dtype)
+    norm, m, sh = norm.view(2, 5, K), mult[:, None], shift[:, None]
+    modulated = norm * m + sh if two_step else torch.addcmul(sh, norm, m)
+    assert torch.equal(materialized, modulated.reshape(-1, K))
+    q, s, _ = act_quant_triton(prologue, out_dtype, qmax, rotation, group, None, False)
+    qr, sr, _ = act_quant_triton(materialized, out_dtype, qmax, rotation, group, None, False, split="pow2")
+    assert torch.equal(q.float(), qr.float())
+    assert torch.equal(s, sr)
+
+
+def test_rms_norm_prologue_rounding_matters():
+    """The two modulations, the two weight dtypes and the two roundings differ: a kernel that ignored a flag would
+    fail above."""
+    x, mult, shift = _norm_inputs(5, K, 2, torch.bfloat16, seed=17)
+    w = 1 + randn(K, seed=19, scale=0.3)
+    one, two = (NormModPrologue(x, 1e-5, mult, shift, 5, rms=True, weight=w, two_step=t).materialize()
+                for t in (False, True))
+    assert not torch.equal(one, two)
+    assert not torch.equal(NormModPrologue(x, 1e-5, rms=True, weight=w).materialize(),
+                           NormModPrologue(x, 1e-5, rms=True, weight=w.bfloat16()).materialize())
+    assert not torch.equal(NormModPrologue(x, 1e-5, rms=True, weight=w.bfloat16()).materialize(),
+                           NormModPrologue(x, 1e-5, rms=True, weight=w.bfloat16(),
+                                           round_before_weight=True).materialize())
+    with pytest.raises(PrologueError, match="composite"):
+        NormModPrologue(x, 1e-5, rms=True, weight=w, round_before_weight=True)  # fp32 weight: rounded once anyway
+    with pytest.raises(PrologueError, match="RMSNorm"):
+        NormModPrologue(x, 1e-5, weight=w)  # a weight on the LayerNorm prologue
+    with pytest.raises(PrologueError, match="weight"):
+        NormModPrologue(x, 1e-5, rms=True, weight=w[:-1])
+
+
+@interpreter
+def test_deferred_rms_norm_mul_and_add_extend_the_recipe():
+    gen = torch.Generator().manual_seed(23)
+    x = (torch.randn(2, 6, K, generator=gen) * 2).bfloat16()
+    w = (1 + 0.2 * torch.randn(K, generator=gen)).bfloat16()
+    scale, shift = (torch.randn(2, 1, K, generator=gen).bfloat16() for _ in range(2))
+    own = F.rms_norm(x, (K,), w, 1e-6)
+    d = defer_rms_norm(x, w, 1e-6)
+    assert isinstance(d, DeferredInput) and torch.equal(d.materialize(), own)
+    for got, want, two_step in ((defer_rms_norm(x, w, 1e-6) * (1 + scale), own * (1 + scale), False),
+                                ((1 + scale) * defer_rms_norm(x, w, 1e-6) + shift, (1 + scale) * own + shift, True),
+                                (torch.add(shift, defer_rms_norm(x, w, 1e-6)), shift + own, False),
+                                (defer_rms_norm(x, w, 1e-6).mul(scale[:1]) + shift, own * scale[:1] + shift, True)):
+        assert isinstance(got, DeferredInput) and isinstance(got.prologue, NormModPrologue)
+        assert got.prologue.two_step == two_step and got.prologue.rows_per_batch in (0, 6)
+        assert torch.equal(got.materialize(), want)
+    # what the recipe cannot hold is computed as torch computes it: a per-token factor, another dtype, a second
+    # modulation, a scaled sum, an in-place product
+    cases = ((lambda: defer_rms_norm(x, w, 1e-6) * x, lambda: own * x),
+             (lambda: defer_rms_norm(x, w, 1e-6) * scale.float(), lambda: own * scale.float()),
+             (lambda: defer_rms_norm(x, w, 1e-6) * scale * scale, lambda: own * scale * scale),
+             (lambda: torch.add(defer_rms_norm(x, w, 1e-6), shift, alpha=2), lambda: torch.add(own, shift, alpha=2)),
+             (lambda: defer_rms_norm(x, w, 1e-6).mul_(scale), lambda: own.clone().mul_(scale)))
+    for make, want in cases:
+        got = make()
+        assert type(got) is torch.Tensor and torch.equal(got, want())
+    assert defer_rms_norm(x, w[:-1], 1e-6) is None and defer_rms_norm(x, w.half(), 1e-6) is None
+
+
+def test_the_rms_norm_probe_tells_one_rounding_from_two(monkeypatch):
+    """A ComfyUI RMSNorm with a weight defers where the kernel knows how torch's ``rms_norm`` rounds the weighted
+    row: once (torch 2.14's CPU kernel), or before the weight (a composite form); anything else is not deferred."""
+    from lowbit.quant import deferred
+
+    monkeypatch.setattr(deferred, "_WEIGHT_ROUNDING", {})
+    assert rms_norm_weight_rounding(torch.device("cpu"), torch.bfloat16) == "once"
+    real = F.rms_norm
+
+    def composite(x, shape, weight=None, eps=None):
+        out = real(x, shape, None, eps)
+        return out if weight is None else out * weight
+
+    monkeypatch.setattr(deferred, "_WEIGHT_ROUNDING", {})
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", composite)
+    assert rms_norm_weight_rounding(torch.device("cpu"), torch.bfloat16) == "twice"
+    monkeypatch.setattr(deferred, "_WEIGHT_ROUNDING", {})
+    monkeypatch.setattr(torch.nn.functional, "rms_norm",  # another epsilon: neither rounding
+                        lambda x, shape, weight=None, eps=None: composite(x, shape, weight, 1e-2))
+    assert rms_norm_weight_rounding(torch.device("cpu"), torch.bfloat16) is None
 
 
 @interpreter
