@@ -57,6 +57,7 @@ from ..quant.layouts.base import form_prologue_linear, form_settled_linear
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
 from .flux_attention import flux_block_classes
 from .joint_attention import FusedJointAttentionMixin, joint_attention_classes, norm_forwards
+from .rms_norm import block_norm_sites, norm_mixin
 from .swiglu_ffn import swiglu_feed_forward_classes
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ class LowBitLinearMixin:
         if codec is None or not isinstance(_module_attr(self, "weight"), QuantizedTensor):
             return super().forward(input, *args, **kwargs)
         _run_every_op()
-        if input.dim() >= 2 and input.shape[:-1].numel() == 0:
+        if input.numel() == 0 and input.dim() >= 2 and input.shape[:-1].numel() == 0:
             # no rows (a routed expert that no token chose): nothing to compute, and kitchen's activation
             # quantizers do not take an empty input
             return input.new_empty((*input.shape[:-1], self.weight.shape[0]))
@@ -758,7 +759,8 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     (HiDream, Krea 2, SeedVR, MMDiT's SwiGLU variant: ``nodes/swiglu_ffn.py``) and GELU module with its
     own projection (Qwen-Image's ``GELU``, LTX's ``GELU_approx``: ``gelu(proj(x))``), of Qwen-Image's joint
     ``Attention`` and Flux's double and single stream blocks (their q, k, v made in one pass:
-    ``nodes/joint_attention.py``, ``nodes/flux_attention.py``) and of every LayerNorm
+    ``nodes/joint_attention.py``, ``nodes/flux_attention.py``), of the RMSNorms in front of Lumina 2's, Z-Image's
+    and Krea 2's attention and MLP (``nodes/rms_norm.py``) and of every LayerNorm
     without weights whose class computes plain ``F.layer_norm`` (torch's, ComfyUI's ops) to a per-model subclass
     (``classes``: the caller's per-model cache; nothing global changes). Their outputs become deferred inputs
     (``quant/deferred.py``): a LowBit linear that takes one computes it inside its activation quantization;
@@ -771,9 +773,16 @@ def install_input_fusion(diffusion_model: torch.nn.Module, classes: dict[type, t
     swiglu_ffns = swiglu_feed_forward_classes() or {}
     joint_attentions = joint_attention_classes() or frozenset()
     flux_blocks = dict(flux_block_classes() or ())
+    norm_sites = block_norm_sites()
     swapped = 0
     for module in diffusion_model.modules():
         cls = type(module)
+        for name in norm_sites.get(cls, ()):  # the RMSNorms in front of a block's attention and MLP
+            norm = getattr(module, name, None)
+            mixin = None if norm is None else norm_mixin(norm)
+            if mixin is not None:
+                norm.__class__ = _deferring_class(type(norm), mixin, classes)
+                swapped += 1
         if cls in flux_blocks:
             module.__class__ = _deferring_class(cls, flux_blocks[cls], classes)
         elif cls is torch.nn.GELU:
