@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -315,7 +316,12 @@ def verify(device: torch.device) -> list[str]:
             (4096, 14336, "regular", 256, False, 1, "swiglu"), (300, 14336, "none", 0, True, 1, "swiglu"),
             (77, 5000, "none", 0, False, 1, "swiglu"), (4096, 24576, "regular", 256, False, 1, "cat_swiglu"),
             (300, 12288, "none", 0, True, 1, "cat_swiglu"), (4096, 10240, "regular", 256, False, 1, "swiglu_pair"),
-            (300, 10240, "none", 0, True, 1, "swiglu_pair"), (77, 5000, "none", 0, False, 1, "swiglu_pair")]:
+            (300, 10240, "none", 0, True, 1, "swiglu_pair"), (77, 5000, "none", 0, False, 1, "swiglu_pair"),
+            # Z-Image's rms_norm(x, w) * (1 + scale) (3840), Krea 2's (1 + scale) * rms_norm(x.float(), 1 + s) +
+            # shift (6144; fp32 weight, the product rounded before the sum)
+            (4096, 3840, "regular", 256, False, 1, "rms"), (300, 3840, "none", 0, True, 2, "rms"),
+            (4096, 6144, "regular", 256, False, 1, "rms_two_step"), (300, 6144, "none", 0, True, 1, "rms_two_step"),
+            (77, 5000, "none", 0, False, 1, "rms_two_step")]:
         dt, qmax = (FP8, 448.0) if fp8 else (torch.int8, 127.0)
         if kind == "gelu":
             wide = (torch.randn(m, 9216 + k - 3072, device=device) * 2).to(torch.bfloat16)
@@ -333,7 +339,20 @@ def verify(device: torch.device) -> list[str]:
             x = (torch.randn(m, k, device=device) * 3 + 0.5).to(torch.bfloat16)
             mult = (1 + 0.3 * torch.randn(batches, k, device=device)).to(torch.bfloat16)
             shift = (0.5 * torch.randn(batches, k, device=device)).to(torch.bfloat16)
-            p = NormModPrologue(x, 1e-6, mult, shift, m // batches if batches > 1 else 0)
+            rpb = m // batches if batches > 1 else 0
+            if kind == "norm":
+                p = NormModPrologue(x, 1e-6, mult, shift, rpb)
+            elif kind == "rms":  # the weight in x's dtype, rounded as torch's rms_norm rounds it on this GPU
+                from ..quant.deferred import defer_rms_norm
+                w = (1 + 0.3 * torch.randn(k, device=device)).to(torch.bfloat16)
+                d = defer_rms_norm(x, w, 1e-5)
+                if d is None:
+                    check(f"prologue rms m={m} k={k}: torch's rms_norm rounds as the kernel knows", False)
+                    continue
+                p = dataclasses.replace(d.prologue, mult=mult, rows_per_batch=rpb)
+            else:
+                w = 1 + 0.3 * torch.randn(k, device=device)
+                p = NormModPrologue(x, 1e-5, mult, shift, rpb, rms=True, weight=w, two_step=True)
         q, s, _ = act_quant_triton(p, dt, qmax, rotation, group, None, False)
         qr, sr, _ = act_quant_triton(p.materialize(), dt, qmax, rotation, group, None, False, split="pow2")
         diff = (q.float() - qr.float()).abs()
@@ -342,7 +361,8 @@ def verify(device: torch.device) -> list[str]:
         # nearly cancels, one bf16 step of the norm (ours against torch's) is a large share of the sum
         # (measured: 3.0 against 3.5 code units, the exact value 3.29), the same share of INT8's coarser grid
         near = (diff <= qr.float().abs() * 0.125 + qmax * 2**-7).all().item() if fp8 else diff.max().item() <= 1
-        check(f"prologue {type(p).__name__} m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'}",
+        check(f"prologue {type(p).__name__}{' ' + kind if kind.startswith('rms') else ''}"
+              f" m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'}",
               bool(torch.isfinite(q.float()).all()) and frac < 1e-3 and near and torch.allclose(s, sr, rtol=2**-7),
               f"codes differing {frac:.2e}, max {diff.max().item():.3g}, scale rel {((s - sr).abs() / sr).max().item():.1e}")
 

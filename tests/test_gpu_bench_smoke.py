@@ -290,9 +290,11 @@ def test_mlp_bench_times_stock_routed_and_unfused_int8_mlps(tmp_path, model):
             assert math.isclose(row["lowbit_err"], row["stock_fused_err"], rel_tol=0.05)
 
 
-@pytest.mark.parametrize("script", ["bench_flux2_step.py", "bench_zimage_step.py", "bench_qwen_step.py"])
+@pytest.mark.parametrize("script", ["bench_flux2_step.py", "bench_zimage_step.py", "bench_qwen_step.py",
+                                    "bench_krea2_step.py"])
 def test_fused_step_bench_times_fused_and_unfused_modes_against_bf16(tmp_path, script):
-    """``bench_flux2_step.py``, ``bench_zimage_step.py``, ``bench_qwen_step.py``: a tiny Flux 2 / Z-Image / Qwen-Image
+    """``bench_flux2_step.py``, ``bench_zimage_step.py``, ``bench_qwen_step.py``, ``bench_krea2_step.py``: a tiny Flux 2
+    / Z-Image / Qwen-Image / Krea 2
     built by ComfyUI's loader, bf16 and a format with and without its inputs fused, and bf16 and the format with the
     Attention Backend node (the format's on the model of the mode without it); on the CPU both compute the inputs
     as written, so their outputs agree; a mode with an unknown flag is refused before anything is built."""
@@ -320,6 +322,24 @@ def test_fused_step_bench_times_fused_and_unfused_modes_against_bf16(tmp_path, s
         proc = subprocess.run(cmd + ["--modes", mode], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT_S)
         assert proc.returncode == 2 and "optionally +unfused or +noswiglu" in proc.stderr, mode
+
+
+@pytest.mark.parametrize("script", ["bench_zimage_step.py", "bench_krea2_step.py"])
+def test_step_bench_nonorm_quantizes_a_model_of_its_own(tmp_path, script):
+    """``+nonorm`` (Z-Image, Krea 2): a quantized model of its own whose block norms keep their classes; on the CPU
+    without the interpreter nothing is deferred, so its output is the fused mode's. Flux 2's bench has no such flag."""
+    out = tmp_path / "step.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    cmd = ["--size", "tiny", "--device", "cpu", "--iters", "1", "--rounds", "1"]
+    proc = subprocess.run([sys.executable, str(GPU_DIR / script), *cmd, "--modes", "fp8_rowwise", "fp8_rowwise+nonorm",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["fp8_rowwise+nonorm"]["model"] == "fp8_rowwise+nonorm"
+    assert 0 < rows["fp8_rowwise+nonorm"]["rel_err"] == rows["fp8_rowwise"]["rel_err"]
+    proc = subprocess.run([sys.executable, str(GPU_DIR / "bench_flux2_step.py"), *cmd, "--modes", "fp8_rowwise+nonorm"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 2
 
 
 def test_qwen_step_bench_keeps_comfyuis_attention_forward_for_noqkv(tmp_path):

@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-  python tests/gpu/bench_zimage_step.py --size 6b --modes int8_convrot int8_convrot+noswiglu bf16+attn --out r.json
+  python tests/gpu/bench_zimage_step.py --size 6b --modes int8_convrot int8_convrot+nonorm bf16+attn --out r.json
   python tests/gpu/bench_zimage_step.py --size tiny --device cpu --iters 1   # CPU smoke run
 
 A Z-Image model of the chosen size (ComfyUI's ``ZImage`` at 6B: width 3840, 30 layers, two noise and two context
@@ -10,7 +10,8 @@ refiners, FFN 10240; built from a random bf16 state dict by ComfyUI's own loader
 scales 1, other vectors N(0, 0.02^2)) is run at 1024x1024 (a 128x128 latent of 16 channels: 4096 image tokens)
 with 512 text tokens, batch 1, eager. Modes, rounds and the report as ``bench_flux2_step.py``: ``+unfused``
 computes every input as written; ``+noswiglu`` keeps the ``FeedForward`` gating ``silu(w1(x)) * w3(x)`` as written
-(its share of the fusion). The tiny size is ``tests/comfy``'s Z-Image layout at width 256.
+(its share of the fusion); ``+nonorm`` keeps the blocks' RMSNorms and their modulation as written
+(``nodes/rms_norm.py``: their share). The tiny size is ``tests/comfy``'s Z-Image layout at width 256.
 """
 
 from __future__ import annotations
@@ -58,12 +59,13 @@ def with_text_tokens(dm, tokens: int):
 
 
 def main(argv=None) -> int:
-    args = fused_step.parse_args(__doc__.split("\n\n")[0], SIZES, "6b", argv)
+    args = fused_step.parse_args(__doc__.split("\n\n")[0], SIZES, "6b", argv, extra_flags=("nonorm",))
     device = torch.device(args.device)
     return fused_step.compare_modes(args, lambda: build(args.size, device),
                                     lambda dtype: inputs(args.size, device, dtype), "_gated_feed_forward_class",
                                     {"size": args.size, **SIZES[args.size]},
-                                    call=lambda dm: with_text_tokens(dm, SIZES[args.size]["txt"]))
+                                    call=lambda dm: with_text_tokens(dm, SIZES[args.size]["txt"]),
+                                    flag_patches={"nonorm": ("block_norm_sites", dict)})
 
 
 if __name__ == "__main__":
