@@ -183,6 +183,40 @@ def test_w4_replays_give_the_ordinary_bits(name, kind, interpreted):
     assert torch.equal(replayed, _ordinary(plan, x, call))
 
 
+def test_every_launch_passes_the_constexprs_as_its_kernels_trailing_parameters(monkeypatch):
+    """A compiled kernel's fast launch takes the constexprs last, in the kernel's order; a launch whose constexprs
+    are in another order loses the fast launch on a GPU (logged, and slower: it happened to the act-quant kernel
+    when a flag was added). The interpreter never builds a fast launch, so this checks every launch here: the
+    W8A8 and W4 plans (GEMM and act-quant kernels) on a tensor and on every kind of prologue."""
+    launches = []
+    real = TritonLauncher.launch
+
+    def spy(self, grid, args, constexprs, **options):
+        launches.append((self.kernel, len(args), list(constexprs)))
+        return real(self, grid, args, constexprs, **options)
+
+    monkeypatch.setattr(TritonLauncher, "launch", spy)
+    x = randn(21, K, seed=4, dtype=torch.bfloat16)
+    w = (1 + randn(K, seed=5, scale=0.2)).float()
+    rms = NormModPrologue(x, 1e-6, randn(1, K, seed=6, dtype=torch.bfloat16), randn(1, K, seed=7, dtype=torch.bfloat16),
+                          rms=True, weight=w, two_step=True)
+    inputs = [_inputs(kind, 21, 1) for kind in ("tensor", "gelu", "norm")] + [rms]
+    for name in ("int8-pointer", "convrot-tma-persistent-sub", "fp8-tma-persistent-sub", "int8-split-k-pointer"):
+        _, call = _w8a8(name)
+        for x in inputs:
+            call(x)
+    for cls, config, qmax, codebook in W4.values():
+        plan = cls(config, qmax, 256, 16, torch.bfloat16)
+        s_rel = (torch.rand(N, K // 16, generator=torch.Generator().manual_seed(9)) * 60 + 4).to(FP8) if codebook \
+            else None
+        plan(inputs[0], randint8(N, K // 2, seed=7, low=-128), torch.rand(N) / 64 + 1e-3, None, s_rel,
+             CODEBOOK if codebook else None, None)
+    assert len({id(kernel) for kernel, _, _ in launches}) >= 5
+    for kernel, runtime, names in launches:
+        assert list(kernel.arg_names[len(kernel.arg_names) - len(names):]) == names, kernel.fn.__name__
+        assert runtime + len(names) == len(kernel.arg_names), kernel.fn.__name__
+
+
 def test_inputs_unlike_the_recording_take_the_ordinary_path(interpreted):
     plan, call = _w8a8("convrot-tma-persistent-sub")
     for seed in (1, 2):
