@@ -2,8 +2,8 @@
 
 A steady-state plan (``w8a8_linear._TritonW8A8Plan``, ``w4_linear``'s Triton plans) serves every layer
 of its format and shapes. Per kind of input – a tensor of ``M`` rows and row stride, or a prologue
-(``kernels/prologue.py``) of ``M`` rows with its GELU approximation or norm (kind, epsilon, weight) and batch rows, or a
-SwiGLU of ``M`` rows (its up half given apart or not) – :class:`PlanReplays` runs the first call as usual
+(``kernels/prologue.py``) of ``M`` rows with its GELU approximation or norm (kind, epsilon, weight) and batch
+rows, or a SwiGLU of ``M`` rows (its up half given apart or not) – :class:`PlanReplays` runs the first call as usual
 (it may compile a kernel, or check a variant against another), records the launches of the second, and
 replays them from the third call on.
 """

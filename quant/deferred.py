@@ -15,8 +15,8 @@ decides the order of ops, so the fusion has to be arranged without changing that
   blocks; Flux 2's with its SwiGLU), ``torch.addcmul(shift, norm, mult)`` (the adaptive modulation,
   ComfyUI's ``apply_mod``), a norm times one modulation row per batch element (``norm * mult``, either
   order: Z-Image's ``x * (1 + scale)``) and, after it or alone, plus one (``norm * mult + shift``: Krea 2's,
-  HunyuanVideo's ``modulate``); an inactive dropout (``p`` 0, or not training: Qwen-Image's MLP runs one between its
-  GELU and its down-projection) returns it as it is;
+  AuraFlow's and PixArt's ``modulate``); an inactive dropout (``p`` 0, or not training: Qwen-Image's MLP runs
+  one between its GELU and its down-projection) returns it as it is;
 * a LowBit linear that receives one hands the recipe to its format's fused path
   (``FormatCodec.prologue_linear``): the act-quant kernel computes the rows from the sources.
 

@@ -18,6 +18,24 @@ def float_output(float_model):
     return run_flux(float_model)
 
 
+@pytest.fixture(scope="module")
+def zimage():
+    """The tiny Z-Image, loaded by stock ComfyUI, and its denoiser output."""
+    from comfy_helpers import load_tiny_zimage, run_zimage
+
+    model = load_tiny_zimage()
+    return model, run_zimage(model)
+
+
+@pytest.fixture(scope="module")
+def krea2():
+    """The tiny Krea 2, loaded by stock ComfyUI, and its denoiser output."""
+    from comfy_helpers import load_tiny_krea2, run_krea2
+
+    model = load_tiny_krea2()
+    return model, run_krea2(model)
+
+
 @pytest.fixture
 def models_dir(tmp_path, monkeypatch):
     """A private models/diffusion_models folder for the loader nodes."""

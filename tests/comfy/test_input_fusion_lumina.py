@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, load_tiny_zimage,
-                           quantized_with_deferring, require_comfy, run_zimage)
+from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, quantized_with_deferring,
+                           require_comfy, run_zimage)
 
 require_comfy()
 
@@ -30,12 +30,6 @@ from lowbit.quant.deferred import DeferredInput  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 pytestmark = interpreter_model_marks(device().type == "cpu")
-
-
-@pytest.fixture(scope="module")
-def zimage():
-    model = load_tiny_zimage()
-    return model, run_zimage(model)
 
 
 @pytest.mark.parametrize("fmt", ("int8_convrot", "fp8_rowwise"))  # the 4-bit fused paths: tests/test_input_fusion.py

@@ -17,8 +17,7 @@ import copy
 import pytest
 import torch
 
-from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, load_tiny_krea2, load_tiny_zimage,
-                           require_comfy, run_krea2, run_zimage)
+from comfy_helpers import assert_fused_as_computed, device, fused_and_unfused, require_comfy, run_krea2, run_zimage
 
 require_comfy()
 
@@ -32,18 +31,6 @@ from lowbit.quant.deferred import DeferredInput  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 pytestmark = interpreter_model_marks(device().type == "cpu")
-
-
-@pytest.fixture(scope="module")
-def zimage():
-    model = load_tiny_zimage()
-    return model, run_zimage(model)
-
-
-@pytest.fixture(scope="module")
-def krea2():
-    model = load_tiny_krea2()
-    return model, run_krea2(model)
 
 
 def _deferring_norms(model, mixin):

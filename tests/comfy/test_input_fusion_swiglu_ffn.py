@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, load_tiny_hidream, load_tiny_krea2,
+from comfy_helpers import (assert_fused_as_computed, device, fused_and_unfused, load_tiny_hidream,
                            quantized_with_deferring, require_comfy, run_hidream, run_krea2)
 
 require_comfy()
@@ -33,12 +33,6 @@ from lowbit.nodes.swiglu_ffn import (DeferredSwiGLUFeedForwardMixin, _computes_s
 from lowbit.quant.deferred import DeferredInput  # noqa: E402
 
 pytestmark = interpreter_model_marks(device().type == "cpu")
-
-
-@pytest.fixture(scope="module")
-def krea2():
-    model = load_tiny_krea2()
-    return model, run_krea2(model)
 
 
 @pytest.fixture(scope="module")

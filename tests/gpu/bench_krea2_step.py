@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-  python tests/gpu/bench_krea2_step.py --size full --modes bf16+attn int8_convrot+attn int8_convrot+nonorm+attn --out r.json
+  python tests/gpu/bench_krea2_step.py --modes bf16+attn int8_convrot+attn int8_convrot+nonorm+attn --out r.json
   python tests/gpu/bench_krea2_step.py --size tiny --device cpu --iters 1   # CPU smoke run
 
 A Krea 2 model of the chosen size (ComfyUI's ``SingleStreamDiT`` at its defaults: width 6144, 28 blocks of 48 heads
