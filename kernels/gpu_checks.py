@@ -285,6 +285,7 @@ def verify(device: torch.device) -> list[str]:
               f"scale rel {((s - sr).abs() / sr).max().item():.1e}, near {near}")
 
     from ..quant.compiled_linear import gelu_input
+    from ..quant.deferred import defer_rms_norm
     from .prologue import GeluPrologue, NormModPrologue, SwigluPrologue
 
     # [a | gelu(b)] (b a column slice, as Flux's single blocks): the GELU is ours, not torch's, so a
@@ -343,7 +344,6 @@ def verify(device: torch.device) -> list[str]:
             if kind == "norm":
                 p = NormModPrologue(x, 1e-6, mult, shift, rpb)
             elif kind == "rms":  # the weight in x's dtype, rounded as torch's rms_norm rounds it on this GPU
-                from ..quant.deferred import defer_rms_norm
                 w = (1 + 0.3 * torch.randn(k, device=device)).to(torch.bfloat16)
                 d = defer_rms_norm(x, w, 1e-5)
                 if d is None:

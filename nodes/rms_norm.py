@@ -28,7 +28,7 @@ import comfy.model_management
 import comfy.ops
 import torch
 
-from ..quant.deferred import defer_rms_norm
+from ..quant.deferred import can_defer, defer_rms_norm
 from .joint_attention import norm_eps, norm_forwards
 
 #: blocks whose norms feed quantized linears: (module, class name, norm attribute names)
@@ -70,7 +70,8 @@ class DeferredScaleRMSNormMixin:
     input; otherwise its class's own."""
 
     def forward(self, x):
-        if _plain_call(self, x, (), {}) and self.scale.shape == (x.shape[-1],):
+        if _plain_call(self, x, (), {}) and self.scale.shape == (x.shape[-1],) and can_defer(x):
+            # the weight only where the norm defers (else the class's forward makes it itself)
             weight = comfy.model_management.cast_to(self.scale, dtype=torch.float32, device=x.device) + 1.0
             out = defer_rms_norm(x, weight, self.eps)
             if out is not None:

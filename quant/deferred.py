@@ -328,8 +328,7 @@ def _deferred_add(a, b, *, alpha=1, out=None):
     shift = _modulation_row(t, d, p)
     if shift is None:
         return None
-    if p.mult is not None and 1 < p.mult.shape[0] != shift.shape[0] > 1:
-        return None
+    # mult and shift each have 1 or B rows (B: the first leading dim, _per_batch), so they broadcast together
     return _modulated(d, p, p.mult, shift, p.mult is not None)
 
 
