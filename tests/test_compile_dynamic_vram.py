@@ -60,7 +60,7 @@ def reference():
 
 
 @pytest.fixture
-def dynamic(fake_aimdo):
+def dynamic(fake_aimdo):  # noqa: F811 (the imported fixture)
     """A Dynamic VRAM patcher of its own quantized tiny Flux (same weights: quantizing is deterministic)."""
     model = quantized()
     patcher = _DynamicPatcher(model.model, LOAD_DEVICE, torch.device("cpu"), size=model.model_size())

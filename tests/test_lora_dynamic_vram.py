@@ -49,7 +49,7 @@ QKV = "double_blocks.0.img_attn.qkv"
 
 
 @pytest.fixture
-def base(fake_aimdo):
+def base(fake_aimdo):  # noqa: F811 (the imported fixture)
     """A Dynamic-VRAM patcher of its own copy of the quantized tiny Flux (its modules gather vbar state)."""
     quantized = apply_policy(load_stock(tiny_flux_bf16()), Policy(mode="int8_convrot"))
     patcher = DynamicPatcher(quantized.model, LOAD_DEVICE, torch.device("cpu"), size=quantized.model_size())

@@ -40,7 +40,7 @@ RANK, STRENGTH = 8, 1.0
 
 
 @pytest.fixture
-def smoothed(fake_aimdo):
+def smoothed(fake_aimdo):  # noqa: F811 (the imported fixture)
     """A Dynamic-VRAM patcher of the tiny Flux in int8_quarot, ``LAYERS`` smoothed with scales ~0.2..5."""
     gen = torch.Generator().manual_seed(3)
     model = load_stock(tiny_flux_bf16())

@@ -57,7 +57,7 @@ def _pinned_bytes(model) -> int:
     return sum(pins[subset][0].size for subset in WEIGHT_PIN_SUBSETS)
 
 
-def test_strength_swaps_keep_pinned_copies_and_twins_bounded(fake_aimdo_pinned, tmp_path):
+def test_strength_swaps_keep_pinned_copies_and_twins_bounded(fake_aimdo_pinned, tmp_path):  # noqa: F811
     """Base model, then SWAPS stacks each replacing the last (a strength change each): after every swap the
     pins are the base model's layers plus the running stack's twins, and no replaced stack's twin is alive.
 
