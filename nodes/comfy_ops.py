@@ -56,7 +56,7 @@ from ..quant.formats import FormatCodec, format_for_comfy_quant, get_format
 from ..quant.layouts.base import form_prologue_linear, form_settled_linear
 from ..quant.native import COMFY_QUANT, decode_comfy_quant, layer_tensors
 from .flux_attention import flux_block_classes
-from .joint_attention import FusedJointAttentionMixin, joint_attention_classes, norm_forwards
+from .joint_attention import FusedJointAttentionMixin, joint_attention_classes, norm_forwards, run_every_op
 from .rms_norm import block_norm_sites, norm_mixin
 from .swiglu_ffn import swiglu_feed_forward_classes
 
@@ -207,12 +207,6 @@ def _where_input_is(weight, bias, like: torch.Tensor) -> bool:
         bias is None or (bias.device == device and bias.dtype == dtype))
 
 
-def _run_every_op() -> None:
-    hook = getattr(comfy.ops, "run_every_op", None)
-    if hook is not None:
-        hook()
-
-
 def _in_original_space(weight: torch.Tensor, scale: torch.Tensor, functions) -> torch.Tensor:
     """``functions`` (weight patches) applied to ``weight * scale`` and the result divided back by ``scale``."""
     s = scale.to(device=weight.device, dtype=torch.float32)
@@ -276,7 +270,7 @@ class LowBitLinearMixin:
         codec = module_codec(self)
         if codec is None or not isinstance(_module_attr(self, "weight"), QuantizedTensor):
             return super().forward(input, *args, **kwargs)
-        _run_every_op()
+        run_every_op()
         if input.numel() == 0 and input.dim() >= 2 and input.shape[:-1].numel() == 0:
             # no rows (a routed expert that no token chose): nothing to compute, and kitchen's activation
             # quantizers do not take an empty input
@@ -317,7 +311,7 @@ class LowBitLinearMixin:
         form = self._lowbit_weight_form(codec, weight, src, input.prologue.shape[1])
         if form is None:
             return None
-        _run_every_op()
+        run_every_op()
         return self._lowbit_form_prologue(form, input, bias)
 
     def _lowbit_dynamic_prologue_forward(self, input: DeferredInput):
@@ -333,7 +327,7 @@ class LowBitLinearMixin:
                 or _module_attr(self, "input_scale") is not None
                 or not self._lowbit_runs_quantized(input.prologue.source, config)):
             return None
-        _run_every_op()
+        run_every_op()
         return self._lowbit_quantized_forward(input, codec, config)
 
     def _lowbit_vbar_form(self, codec: FormatCodec, config: LowBitOpsConfig, weight, bias, like: torch.Tensor, k: int):
@@ -648,7 +642,7 @@ class DeferredLayerNormMixin:
                 and input.shape[-1] == self.normalized_shape[0]):
             out = defer_layer_norm(input, self.eps)
             if out is not None:
-                _run_every_op()
+                run_every_op()
                 return out
         return super().forward(input, *args, **kwargs)
 

@@ -61,13 +61,19 @@ def plain_head_norms(norms, head_dim: int) -> bool:
     return all(_plain_norm(norm) and tuple(norm.normalized_shape) == (head_dim,) for norm in norms)
 
 
+def run_every_op() -> None:
+    """What ComfyUI's own ops call first (``comfy.ops.run_every_op``, where this ComfyUI has it: it stops the run when
+    the user cancels it). LowBit calls it where it computes an op without that op's ComfyUI forward."""
+    hook = getattr(comfy.ops, "run_every_op", None)
+    if hook is not None:
+        hook()
+
+
 @contextlib.contextmanager
 def cast_norm_weights(norms, like: torch.Tensor):
     """The norms' weights cast as ComfyUI's RMSNorm casts them (``cast_bias_weight`` where ``comfy_cast_weights``
     is set, released on exit), after the ``run_every_op`` ComfyUI's RMSNorm calls first."""
-    run_every_op = getattr(comfy.ops, "run_every_op", None)
-    if run_every_op is not None:
-        run_every_op()
+    run_every_op()
     casts = []
     try:
         for norm in norms:

@@ -25,11 +25,10 @@ import functools
 import importlib
 
 import comfy.model_management
-import comfy.ops
 import torch
 
 from ..quant.deferred import can_defer, defer_rms_norm
-from .joint_attention import norm_eps, norm_forwards
+from .joint_attention import norm_eps, norm_forwards, run_every_op
 
 #: blocks whose norms feed quantized linears: (module, class name, norm attribute names)
 BLOCK_NORMS = (
@@ -37,12 +36,6 @@ BLOCK_NORMS = (
     ("comfy.ldm.krea2.model", "SingleStreamBlock", ("prenorm", "postnorm")),
     ("comfy.ldm.krea2.model", "TextFusionBlock", ("prenorm", "postnorm")),
 )
-
-
-def _run_every_op() -> None:
-    hook = getattr(comfy.ops, "run_every_op", None)
-    if hook is not None:
-        hook()
 
 
 def _plain_call(norm, input, args, kwargs) -> bool:
@@ -60,7 +53,7 @@ class DeferredRMSNormMixin:
             if w is None or (w.device == input.device and w.dtype == input.dtype):
                 out = defer_rms_norm(input, None if w is None else w.detach(), norm_eps(self, input))
                 if out is not None:
-                    _run_every_op()  # what ComfyUI's RMSNorm.forward calls first
+                    run_every_op()  # what ComfyUI's RMSNorm.forward calls first
                     return out
         return super().forward(input, *args, **kwargs)
 

@@ -112,3 +112,35 @@ def test_each_block_norm_site_is_a_block_of_this_comfyui():
     sites = block_norm_sites()
     assert sites[lumina_model.JointTransformerBlock] == ("attention_norm1", "ffn_norm1")
     assert sites[krea2_model.SingleStreamBlock] == ("prenorm", "postnorm")
+
+
+
+@pytest.mark.parametrize("kind", ("rms_norm", "layer_norm"))
+def test_a_deferred_norm_stops_the_run_when_comfyui_is_interrupted(kind, zimage, float_model):
+    """A deferred norm returns without its ComfyUI forward, so it calls the hook that forward calls first
+    (``comfy.ops.run_every_op``): the user's cancel stops the step there too. Z-Image's block RMSNorm, and Flux's
+    affine-free LayerNorm (``DeferredLayerNormMixin``)."""
+    import comfy.model_management as mm
+
+    from lowbit.nodes.comfy_ops import DeferredLayerNormMixin
+
+    if kind == "rms_norm":
+        norm = quantize_model(zimage[0], Policy(mode="int8_convrot")).model.diffusion_model.layers[0].ffn_norm1
+        width, like = norm.weight.shape[0], norm.weight
+    else:
+        dm = quantize_model(float_model, Policy(mode="int8_convrot")).model.diffusion_model
+        norm = dm.double_blocks[0].img_norm1
+        assert isinstance(norm, DeferredLayerNormMixin)
+        width, like = norm.normalized_shape[0], next(dm.parameters())
+    norm = norm.to(device())
+    x = torch.randn(1, 5, width, generator=torch.Generator().manual_seed(7)).to(device(), like.dtype)
+    want = norm(x)
+    assert isinstance(want, DeferredInput)
+    mm.interrupt_current_processing(True)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            norm(x)
+    finally:
+        mm.interrupt_current_processing(False)
+    out = norm(x)  # nothing stays interrupted
+    assert isinstance(out, DeferredInput) and torch.equal(out.materialize(), want.materialize())
