@@ -151,9 +151,9 @@ def test_profile_groups_cublas_nvjet_kernels_as_gemm(monkeypatch):
 
 
 def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
-    """``diag_flux_error.py`` at the tiny size: every variant ran, the layer groups split the quantized
-    layers exactly (``only:<g>`` counts add up to ``all``, ``all_but:<g>`` is the rest), keeping
-    layers in bf16 never quantizes more of them, and the bf16 model is close to its fp32 copy."""
+    """``diag_flux_error.py`` at the tiny size: every variant ran (the modulation run weights-only too), the layer
+    groups split the quantized layers exactly (``only:<g>`` counts add up to ``all``, ``all_but:<g>`` is the
+    rest), keeping layers in bf16 never quantizes more of them, and the bf16 model is close to its fp32 copy."""
     out = tmp_path / "err.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(GPU_DIR / "diag_flux_error.py"), "--size", "tiny", "--device", "cpu",
@@ -171,6 +171,13 @@ def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
     for g in groups:
         assert rows[f"only:{g}"]["quantized_layers"] > 0
         assert rows[f"all_but:{g}"]["quantized_layers"] == total - rows[f"only:{g}"]["quantized_layers"]
+    # the modulation linears alone by the dequant backend: every layer (or the modulation's alone) quantized, the
+    # modulation's run otherwise than in "all" (a different output)
+    mod = rows["only:mod"]["quantized_layers"]
+    forced, forced_alone = rows["weights_only:mod"], rows["only:mod+weights_only"]
+    assert forced["quantized_layers"] == total and forced["weights_only_layers"] == mod
+    assert forced_alone["quantized_layers"] == mod == forced_alone["weights_only_layers"]
+    assert forced["rel_err"] != rows["all"]["rel_err"] and forced_alone["rel_err"] != rows["only:mod"]["rel_err"]
     assert all(row["rel_err"] > 0 for row in rows.values()) and report["bf16_self"] >= 0
     # bf16 against its fp32 copy, both embedding the same timestep and guidance: a rounding-sized error
     assert 0 < report["bf16_vs_fp32"] < 0.05

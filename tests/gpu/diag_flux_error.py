@@ -12,7 +12,10 @@ batch 1). For each mode, the relative L2 error of one forward against bf16, with
   the activation not quantized): the activations' share of the error is ``all`` minus this, in power;
 * ``only:<group>``: one group of layers quantized, the others kept in bf16 (the groups below partition
   the quantized layers, so their errors, added in power, roughly give ``all``);
-* ``all_but:<group>``: every group but one.
+* ``all_but:<group>``: every group but one;
+* ``weights_only:mod``: every layer quantized, the modulation linears run by the ``dequant`` backend (their
+  weights rounded as stored, their one-row input not quantized: an INT8 or FP8 weight with a bf16 activation);
+  ``only:mod+weights_only``: the modulation linears alone so, the rest in bf16 (their weights' share).
 
 Layer groups (names relative to the diffusion model): ``mod`` (the per-block modulation linears,
 one row a call at batch 1), ``double_attn`` (qkv and output projections of the double blocks),
@@ -79,12 +82,35 @@ def bf16_vs_fp32(dm, args) -> float:
     return bench.rel_err(ours, exact)
 
 
-def variants(groups: list[str]) -> list[tuple[str, tuple[str, ...], bool]]:
-    """(label, extra keep-float patterns, weights only) per measured variant."""
+def variants(groups: list[str]) -> list[tuple[str, tuple[str, ...], bool | str]]:
+    """(label, extra keep-float patterns, weights only: ``True`` for every layer, a group's name for its layers
+    alone) per measured variant."""
     rows = [("all", (), False), ("weights_only", (), True)]
     rows += [(f"only:{g}", tuple(GROUPS[o] for o in groups if o != g), False) for g in groups]
     rows += [(f"all_but:{g}", (GROUPS[g],), False) for g in groups]
+    if "mod" in groups:
+        rows += [("weights_only:mod", (), "mod"),
+                 ("only:mod+weights_only", tuple(GROUPS[o] for o in groups if o != "mod"), "mod")]
     return rows
+
+
+def dequantized_forwards(dm, pattern: str, backend) -> int:
+    """The layers of ``dm`` whose names match ``pattern`` run by the ``backend`` kernel backend (an instance
+    ``forward`` that forces it around the class's); the number of layers."""
+    import re
+    import types
+
+    from lowbit.kernels.backend import force_backend
+
+    count = 0
+    for name, module in dm.named_modules():
+        if re.search(pattern, name) and isinstance(module, torch.nn.Linear):
+            def forced(self, *a, _cls_forward=type(module).forward, **k):
+                with force_backend(backend):
+                    return _cls_forward(self, *a, **k)
+            module.forward = types.MethodType(forced, module)
+            count += 1
+    return count
 
 
 def run(argv=None) -> dict:
@@ -125,13 +151,18 @@ def run(argv=None) -> dict:
                 q = quantize_model(base, Policy(mode=mode, extra_keep_float=keep))
                 qdm = q.model.diffusion_model
                 layers = sum(1 for m in qdm.modules() if isinstance(getattr(m, "weight", None), QuantizedTensor))
-                if weights_only:
+                forced = 0
+                if weights_only is True:
                     with force_backend(Backend.DEQUANT):
                         out = forward(qdm, args)
                 else:
+                    if weights_only:
+                        forced = dequantized_forwards(qdm, GROUPS[weights_only], Backend.DEQUANT)
                     out = forward(qdm, args)
                 rows[label] = {"rel_err": bench.rel_err(out, ref), "quantized_layers": layers,
                                "s": round(time.perf_counter() - start, 2)}
+                if weights_only and weights_only is not True:
+                    rows[label]["weights_only_layers"] = forced
                 del q, qdm, out
             except Exception as err:  # one variant failing must not lose the others
                 log.exception("%s %s failed", mode, label)
