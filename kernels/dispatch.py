@@ -74,10 +74,11 @@ log = logging.getLogger(__name__)
 # M <= 512; decisions made the old way are measured again once.
 # 3 (session 20): 16-row tiles are offered at M <= 32.
 # 4 (session 21): narrower tiles are offered at 17 <= M <= 512 (``gemm_config._ROW_BANDS``).
+# 5 (session 33): calls of at most 16 rows on a GPU run weight-only (``dequant:<config>``, W8A16).
 # An older file keeps its decisions for the M buckets whose candidates have not changed since it was written;
 # those of the buckets in REMEASURED[its version] are measured again once.
-CACHE_VERSION = 4
-REMEASURED = {2: (16, 32, 64, 128, 256, 512), 3: (32, 64, 128, 256, 512)}
+CACHE_VERSION = 5
+REMEASURED = {2: (16, 32, 64, 128, 256, 512), 3: (16, 32, 64, 128, 256, 512), 4: (16,)}
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _RESOURCE_ERRORS = ("OutOfResources", "out of resource")  # the configuration can never run on this GPU
 
@@ -138,6 +139,9 @@ class Dispatcher:
     failures: dict[str, dict[str, str]] = field(default_factory=dict)
     # "sm90" -> {"int8 triton:<config>": error}: what this GPU can never run (not offered again)
     broken: dict[str, dict[str, str]] = field(default_factory=dict)
+    # W8A8 calls of at most 16 rows on a GPU compute weight-only (W8A16: the activation is not quantized; off:
+    # they are quantized and dispatched as larger calls are, for comparisons)
+    few_rows_weight_only: bool = True
     fast: bool = True  # register steady-state plans (off: every call takes the full path; for comparisons)
     fast_plans: dict[tuple, Callable] = field(default_factory=dict, repr=False)
     fast_hits: int = field(default=0, repr=False)

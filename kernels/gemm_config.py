@@ -249,6 +249,20 @@ def w4_expand_candidates(cap: tuple[int, int], m: int) -> list[GemmConfig]:
     return [c for c in pool if c.fits(cap) and (not c.tma or cap >= (9, 0))] or [C(64, 64, 64, 8, 4, 2)]
 
 
+# The W8A16 kernel (``triton_w8a16_gemm.py``) for few rows, bound by the weight's bytes: 16-row tiles, 256-deep K
+# steps (whole rotation super-blocks), output tiles narrow enough to spread N over the SMs, pipelines deep enough
+# to keep the weight streaming. Not yet swept on a GPU beyond the dispatcher's own measurements.
+WEIGHT_ONLY_MAX_M = 16
+_W8A16 = (C(16, 32, 256, 1, 4, 4), C(16, 64, 256, 1, 4, 4), C(16, 64, 256, 1, 4, 3), C(16, 128, 256, 1, 4, 3),
+          C(16, 128, 256, 1, 8, 3))
+W8A16_DEFAULT = C(16, 32, 256, 1, 4, 2)  # the CPU interpreter's
+
+
+def w8a16_candidates(cap: tuple[int, int]) -> list[GemmConfig]:
+    """Configs worth measuring for the W8A16 kernel on capability ``cap`` (bf16 / fp16 activation tiles)."""
+    return [c for c in _W8A16 if c.fits(cap, 2.0, 1.0)] or [W8A16_DEFAULT]
+
+
 def default_config(m: int, kind: str = "w8a8") -> GemmConfig:
     """The config used without measurement (CPU interpreter, or before the dispatcher has data)."""
     if m <= 64:

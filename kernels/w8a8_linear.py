@@ -9,6 +9,10 @@ weight is ``[N, K + 2r]`` (``kernels/fp8_gemm.py``). The candidates the dispatch
 * ``torch``           – our act-quant + ``torch._int_mm`` / ``torch._scaled_mm`` (rowwise) + epilogue
 * ``kitchen``         – comfy-kitchen's ``int8_linear`` (INT8, no rotation or ConvRot 256 only)
 * ``dequant``         – dequantize the weight, float ``F.linear`` (no activation quantization)
+* ``dequant:<config>`` – the same product in Triton for few rows (M <= 16; ``triton_w8a16_gemm.py``): the weight
+  converted in registers, the activation only rotated, no dequantized copy of the weight. On a GPU a call of at
+  most 16 rows that this kernel takes is offered only these and ``dequant`` (unless a backend is forced): such a
+  call is bound by the weight's bytes, so its activation is not quantized
 * ``eager``           – the pure-torch reference of both kernels
 
 Steady state: :func:`w8a8_linear_fast` looks up the plan the dispatcher settled on for the call's
@@ -24,7 +28,8 @@ import torch
 
 from . import dispatch, ops
 from .backend import Backend, active_backend, capability, interpreting, triton_problem
-from .gemm_config import config_named, default_config, w8a8_candidates
+from .gemm_config import (W8A16_DEFAULT, WEIGHT_ONLY_MAX_M, config_named, default_config, w8a8_candidates,
+                          w8a16_candidates)
 from .hadamard import rotate_blocks
 from .reference import FP8, FP8_MAX, INT8_MAX
 from .replay import PlanReplays, input_kind
@@ -161,6 +166,9 @@ def _fast_plan(name: str, x2d: torch.Tensor, weight_scale: torch.Tensor, out_dty
     if name.startswith("triton:"):
         return _TritonW8A8Plan(config_named(name.split(":", 1)[1]), pre.rotation, pre.group_size,
                                pre.center_rowsum is not None, fp8, out_dtype, scale_as_is)
+    if name.startswith("dequant:"):
+        return _WeightOnlyPlan(config_named(name.split(":", 1)[1]), pre.rotation, pre.group_size, out_dtype,
+                               scale_as_is)
     if name == "torch" and x2d.is_cuda and not interpreting() and _act_quant_runs(x2d, pre, fp8):
         # what _Plan._torch_mm runs on a GPU (elsewhere it quantizes with the eager reference)
         return _TritonW8A8Plan(None, pre.rotation, pre.group_size, pre.center_rowsum is not None, fp8, out_dtype,
@@ -199,6 +207,29 @@ class _TritonOutlierPlan:
         q, scale, _ = act_quant_triton(x, FP8, FP8_MAX, "none", 0, None, False, outlier_index=outlier_index)
         w_scale = weight_scale if self.scale_as_is else weight_scale.reshape(-1).float()
         return w8a8_mm_triton(q, weight, scale, w_scale, bias, None, None, self.out_dtype, self.config)
+
+
+class _WeightOnlyPlan:
+    """The ``dequant:<config>`` decision: :func:`triton_w8a16_gemm.w8a16_mm_triton` (one launch, two with a
+    rotation), replayed per kind of input."""
+
+    __slots__ = ("config", "rotation", "group_size", "out_dtype", "scale_as_is", "replays")
+
+    def __init__(self, config, rotation, group_size, out_dtype, scale_as_is):
+        self.config, self.rotation, self.group_size = config, rotation, group_size
+        self.out_dtype, self.scale_as_is = out_dtype, scale_as_is
+        self.replays = PlanReplays()
+
+    def __call__(self, x, weight, weight_scale, bias, smooth, center_rowsum):
+        from .triton_w8a16_gemm import w8a16_launches
+
+        w_scale = weight_scale if self.scale_as_is else weight_scale.reshape(-1).float()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        key, sources = input_kind(x)
+        return self.replays.run(key, (*sources, weight, w_scale, bias),
+                                lambda: w8a16_launches(x, weight, w_scale, bias, self.out_dtype, self.config,
+                                                       self.rotation, self.group_size), last_only=True)[-1]
 
 
 def _act_quant_runs(x2d: torch.Tensor, pre: Preprocess, fp8: bool) -> bool:
@@ -431,11 +462,32 @@ class _Plan:
         triton = triton_gemm_names(self.device, m, self.gemm_k, self.fp8) if triton_ok else []
         torch_mm = ["torch"] if self._torch_ok() else []
         kitchen = ["kitchen"] if self._kitchen_ok() else []
+        weight_only = self._weight_only_names()
+        forced = active_backend()
+        if on_gpu and weight_only and forced is Backend.AUTO and dispatch.current_dispatcher().few_rows_weight_only:
+            # few rows: bound by the weight's bytes, so the activation is not quantized (W8A16: more accurate, about
+            # as fast: docs/kernels.md, "Few rows"); a forced backend still runs its own path
+            return weight_only + ["dequant"]
         if on_gpu:  # the reference is never measured on a GPU (it cannot win); it runs when forced
-            return triton + torch_mm + kitchen + ["dequant"] + (["eager"] if active_backend() is Backend.EAGER else [])
+            return (triton + torch_mm + kitchen + (weight_only if forced is not Backend.AUTO else []) + ["dequant"]
+                    + (["eager"] if forced is Backend.EAGER else []))
         # CPU: nothing is measured. comfy-kitchen first where it applies (today's behaviour), then the
         # exact emulations; the interpreter only when forced (a correctness tool, not a fast path).
-        return kitchen + torch_mm + ["eager", "dequant"] + (triton if interpreting() else [])
+        return kitchen + torch_mm + ["eager", "dequant"] + (triton + weight_only if interpreting() else [])
+
+    def _weight_only_names(self) -> list[str]:
+        """The ``dequant:<config>`` candidates: few rows, no smoothing, centring or outlier columns, and a call the
+        W8A16 kernel takes (``triton_w8a16_gemm.w8a16_problem``)."""
+        pre, m = self.pre, self.x.shape[0]
+        if (m > WEIGHT_ONLY_MAX_M or pre.smooth is not None or pre.center_rowsum is not None or pre.outliers
+                or triton_problem(self.device, needs_fp8=self.fp8 and self.device.type == "cuda") is not None):
+            return []
+        from .triton_w8a16_gemm import w8a16_problem
+
+        if w8a16_problem(self.x, self.weight, self.out_dtype, pre.rotation, pre.group_size) is not None:
+            return []
+        configs = w8a16_candidates(capability(self.device)) if self.device.type == "cuda" else [W8A16_DEFAULT]
+        return [f"dequant:{c.name}" for c in configs]
 
     # ---- building one ---------------------------------------------------------------------------
     def make(self, name: str):
@@ -450,6 +502,9 @@ class _Plan:
             return self._kitchen
         if name == "dequant":
             return self._dequant
+        if name.startswith("dequant:"):
+            config = config_named(name.split(":", 1)[1])
+            return lambda: self._weight_only(config)
         raise KeyError(f"unknown W8A8 implementation {name!r}")
 
     def _act_quant(self, impl: str):
@@ -479,6 +534,12 @@ class _Plan:
         return ck.int8_linear(self.x.contiguous(), self.weight, self.w_scale.reshape(-1, 1) if self.w_scale.numel() > 1
                               else self.w_scale.reshape(()), self.bias, self.out_dtype, convrot=convrot,
                               convrot_groupsize=_KITCHEN_CONVROT_GROUP)
+
+    def _weight_only(self, config) -> torch.Tensor:
+        from .triton_w8a16_gemm import w8a16_mm_triton
+
+        return w8a16_mm_triton(self.x.contiguous(), self.weight, self.w_scale, self.bias, self.out_dtype, config,
+                               self.pre.rotation, self.pre.group_size)
 
     def _dequant(self) -> torch.Tensor:
         compute = self.x.dtype if self.x.dtype in (torch.float16, torch.bfloat16) and self.x.is_cuda else torch.float32

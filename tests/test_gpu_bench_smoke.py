@@ -185,14 +185,15 @@ def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
 
 def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp_path):
     """``bench_flux_step``: a ``+unfused`` mode is quantized with ``fuse_inputs=False`` (``+noreplay``: launch
-    replays off; ``+floatmods``: modulation linears kept in bf16; ``+absmax``: kitchen's w4a4 scales; ``+noqkv``: the
+    replays off; ``+floatmods``: modulation linears kept in bf16; ``+actmods``: a dispatcher without the few-row weight-only
+    kernel; ``+absmax``: kitchen's w4a4 scales; ``+noqkv``: the
     blocks keep ComfyUI's forward), and ``--rounds``
     times every kept mode again, each step's GPU and host time recorded (same output either way)."""
     out = tmp_path / "step.json"
     env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(GPU_DIR / "bench_flux_step.py"), "--size", "tiny", "--device", "cpu", "--iters", "1",
            "--modes", "int8_convrot", "int8_convrot+unfused", "int8_convrot+noreplay", "int8_convrot+floatmods", "w4a4",
-           "w4a4+absmax", "int8_convrot+noqkv", "--rounds", "2",
+           "w4a4+absmax", "int8_convrot+noqkv", "int8_convrot+actmods", "--rounds", "2",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -206,6 +207,8 @@ def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp
     assert report["modes"]["int8_convrot+noqkv"]["one_pass_qkv_blocks"] == 0
     assert report["modes"]["int8_convrot+noqkv"]["rel_err"] == fused["rel_err"]  # no Triton on this CPU: same forward
     assert no_replay["rel_err"] == fused["rel_err"], "launch replays change no bits"
+    # the CPU offers no weight-only kernel (no interpreter here): its own dispatcher, the same forward
+    assert report["modes"]["int8_convrot+actmods"]["rel_err"] == fused["rel_err"]
     float_mods = report["modes"]["int8_convrot+floatmods"]
     assert float_mods["extra_keep_float"] and float_mods["weight_bytes"] > fused["weight_bytes"]
     for row in (fused, unfused, no_replay):

@@ -229,15 +229,19 @@ def test_unreadable_or_old_cache_is_ignored(tmp_path, caplog):
     assert Dispatcher(cache_path=old).decisions == {}
 
 
-@pytest.mark.parametrize("version, dropped, kept", [
-    # before the 16-row tiles (M <= 32) and the row bands (17 <= M <= 512)
+@pytest.mark.parametrize("version, dropped, kept, rows", [
+    # before the 16-row tiles (M <= 32), the row bands (17 <= M <= 512) and weight-only few rows (M <= 16)
     (2, ("int8|sm90|m16|n18432|k3072", "w4a8|sm90|m32|n9216|k3072", "int8|sm90|m256|n3072|k3072",
-         "w4a4/a4|sm90|m512|n3072|k12288"), ("int8|sm90|m1024|n3072|k3072", "fp8_rowwise|sm90|m4096|n3072|k3072")),
-    # before the row bands only: M <= 16 keeps its choices too
-    (3, ("w4a8|sm90|m32|n9216|k3072", "int8|sm90|m64|n3072|k3072", "w4a4/a4|sm90|m512|n3072|k12288"),
-     ("int8|sm90|m16|n18432|k3072", "int8|sm90|m1024|n3072|k3072")),
+         "w4a4/a4|sm90|m512|n3072|k12288"), ("int8|sm90|m1024|n3072|k3072", "fp8_rowwise|sm90|m4096|n3072|k3072"),
+     "0 < M <= 512"),
+    # before the row bands and weight-only few rows
+    (3, ("int8|sm90|m16|n18432|k3072", "w4a8|sm90|m32|n9216|k3072", "int8|sm90|m64|n3072|k3072",
+         "w4a4/a4|sm90|m512|n3072|k12288"), ("int8|sm90|m1024|n3072|k3072",), "0 < M <= 512"),
+    # before weight-only few rows only: M > 16 keeps its choices
+    (4, ("int8|sm90|m16|n18432|k3072", "fp8_rowwise|sm90|m16|n3072|k3072"),
+     ("w4a8|sm90|m32|n9216|k3072", "int8|sm90|m64|n3072|k3072", "int8|sm90|m1024|n3072|k3072"), "0 < M <= 16"),
 ])
-def test_older_cache_measures_the_changed_buckets_again(tmp_path, caplog, version, dropped, kept):
+def test_older_cache_measures_the_changed_buckets_again(tmp_path, caplog, version, dropped, kept, rows):
     """An older file keeps its choices for the M buckets whose candidates did not change since; the others
     are measured again (and the file is rewritten as the current version)."""
     old = tmp_path / f"v{version}.json"
@@ -250,11 +254,10 @@ def test_older_cache_measures_the_changed_buckets_again(tmp_path, caplog, versio
     assert d.decisions == {k: f"triton:{keys.index(k)}" for k in kept}
     assert set(d.timings_us) == set(kept) and d.gpu_timings_us == {}
     assert "measured again" in caplog.text
-    low = 0 if version == 2 else 16
-    assert f"{low} < M <= 512" in caplog.text
+    assert rows in caplog.text
     d.save()
     data = json.loads(old.read_text())
-    assert data["version"] == CACHE_VERSION == 4 and set(data["decisions"]) == set(kept)
+    assert data["version"] == CACHE_VERSION == 5 and set(data["decisions"]) == set(kept)
 
 
 def test_older_cache_buckets_to_measure_again_are_real_buckets():

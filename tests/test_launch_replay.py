@@ -25,7 +25,7 @@ from lowbit.kernels.prologue import GeluPrologue, NormModPrologue
 from lowbit.kernels.reference import FP8
 from lowbit.kernels.replay import PlanReplays
 from lowbit.kernels.w4_linear import _ExpandW4Plan, _TritonW4Plan, level_table
-from lowbit.kernels.w8a8_linear import _TritonW8A8Plan
+from lowbit.kernels.w8a8_linear import _TritonW8A8Plan, _WeightOnlyPlan
 
 pytestmark = needs_triton_interpreter()
 
@@ -183,6 +183,29 @@ def test_w4_replays_give_the_ordinary_bits(name, kind, interpreted):
     assert torch.equal(replayed, _ordinary(plan, x, call))
 
 
+@pytest.mark.parametrize("fp8,rotation,group", [(False, "regular", 256), (True, "none", 0)], ids=["convrot", "fp8"])
+def test_weight_only_replays_give_the_ordinary_bits(fp8, rotation, group, interpreted):
+    """The few-row W8A16 plan (``dequant:<config>``): one launch (two with a rotation), replayed from the third call of
+    a kind of input."""
+    plan = _WeightOnlyPlan(GemmConfig(16, 32, 256, 1, 4, 2), rotation, group, torch.bfloat16, scale_as_is=True)
+    w = _weights(fp8)
+
+    def call(x, weights=w):
+        return plan(x, weights["weight"], weights["scale"], weights["bias"], None, None)
+    for seed in (1, 2):
+        call(_inputs("tensor", 3, seed))
+    (_, replay), = plan.replays.entries.items()
+    launches = 2 if rotation != "none" else 1
+    assert isinstance(replay, LaunchReplay) and len(replay.steps) == launches
+    x = _inputs("tensor", 3, 3)
+    before, launched = len(interpreted), _launches()
+    replayed = call(x)
+    assert len(interpreted) - before == launches and _launches() == launched
+    assert torch.equal(replayed, _ordinary(plan, x, call))
+    other = _weights(fp8, seed=10)
+    assert torch.equal(call(x, other), _ordinary(plan, x, lambda x: call(x, other)))
+
+
 def test_every_launch_passes_the_constexprs_as_its_kernels_trailing_parameters(monkeypatch):
     """A compiled kernel's fast launch takes the constexprs last, in the kernel's order; a launch whose constexprs
     are in another order loses the fast launch on a GPU (logged, and slower: it happened to the act-quant kernel
@@ -211,7 +234,10 @@ def test_every_launch_passes_the_constexprs_as_its_kernels_trailing_parameters(m
             else None
         plan(inputs[0], randint8(N, K // 2, seed=7, low=-128), torch.rand(N) / 64 + 1e-3, None, s_rel,
              CODEBOOK if codebook else None, None)
-    assert len({id(kernel) for kernel, _, _ in launches}) >= 5
+    for rotation, group in (("none", 0), ("sylvester", 128)):
+        _WeightOnlyPlan(GemmConfig(16, 32, 256, 1, 4, 2), rotation, group, torch.bfloat16, True)(
+            inputs[0], randint8(N, K, seed=8), torch.rand(N) / 64 + 1e-3, None, None, None)
+    assert len({id(kernel) for kernel, _, _ in launches}) >= 6
     for kernel, runtime, names in launches:
         assert list(kernel.arg_names[len(kernel.arg_names) - len(names):]) == names, kernel.fn.__name__
         assert runtime + len(names) == len(kernel.arg_names), kernel.fn.__name__

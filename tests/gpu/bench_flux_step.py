@@ -20,7 +20,9 @@ blocks' q, k, v to ComfyUI's ops). ``+noqkv`` keeps that fusion but leaves Flux'
 ComfyUI's: their q, k, v made by ComfyUI's ops instead of in one pass (``nodes/flux_attention.py``).
 ``+noreplay`` runs with the kernels' launch replays switched off (``kernels/launcher.py``: every call
 builds its launches' arguments); ``+floatmods`` keeps the per-block modulation linears in bf16
-(``Policy.extra_keep_float``); ``+absmax`` quantizes ``w4a4`` weights with comfy-kitchen's abs-max row
+(``Policy.extra_keep_float``); ``+actmods`` runs the model under a kernel dispatcher that does not compute calls
+of at most 16 rows weight-only (``Dispatcher.few_rows_weight_only``; ``kernels/triton_w8a16_gemm.py``), so the
+modulation linears' one-row inputs are quantized as before (an A/B of its speed and error); ``+absmax`` quantizes ``w4a4`` weights with comfy-kitchen's abs-max row
 scales (``Policy.w4a4_scales``) instead of the searched ones; ``+dvram`` loads the mode's model as ComfyUI does by default on NVIDIA GPUs,
 through Dynamic VRAM (comfy-aimdo's ``ModelPatcherDynamic``: weights in RAM, a resident copy in the model's
 VRAM "vbar", every layer cast per call; ``bf16+dvram`` is stock bf16 loaded that way, a second copy of the
@@ -194,7 +196,7 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 ATTN_SUFFIX = "+attn"
 #: what a mode's ``+flag``s after the format switch (module docstring)
-MODE_FLAGS = ("attn", "unfused", "noqkv", "noreplay", "floatmods", "dvram", "absmax")
+MODE_FLAGS = ("attn", "unfused", "noqkv", "noreplay", "floatmods", "actmods", "dvram", "absmax")
 FLOAT_MODULATION = r"(_mod|modulation)\.lin$"  # Flux's per-block modulation linears
 
 
@@ -238,6 +240,27 @@ class WithoutReplays:
 
         with no_replays():
             return self.dm(*args, **kwargs)
+
+
+class WithDispatcher:
+    """A diffusion model called under a kernel dispatcher of its own (``+actmods`` modes)."""
+
+    def __init__(self, dm, dispatcher):
+        self.dm, self.dispatcher = dm, dispatcher
+
+    def __call__(self, *args, **kwargs):
+        from lowbit.kernels.dispatch import use_dispatcher
+
+        with use_dispatcher(self.dispatcher):
+            return self.dm(*args, **kwargs)
+
+
+def without_weight_only(like):
+    """A dispatcher like ``like`` that computes calls of at most 16 rows as it does larger ones (activation
+    quantized), not weight-only (``Dispatcher.few_rows_weight_only``)."""
+    from lowbit.kernels.dispatch import Dispatcher
+
+    return Dispatcher(gpu_tie=like.gpu_tie, few_rows_weight_only=False)
 
 
 def one_step_s(dm, args, device, transformer_options: dict | None = None) -> tuple[float, float]:
@@ -367,6 +390,10 @@ def _run(a, device) -> dict:
                 if "dvram" in flags:
                     q = load_dynamic(q.model, device)
                 qdm = WithoutReplays(qdm) if "noreplay" in flags else qdm
+                if "actmods" in flags:
+                    from lowbit.kernels.dispatch import current_dispatcher
+
+                    qdm = WithDispatcher(qdm, without_weight_only(current_dispatcher()))
             step_s, out = step_time(qdm, args, device, a.iters, options)
             row.update(step_s=step_s, speedup=bf16_s / step_s, rel_err=rel_err(out, ref))
             if "dvram" in flags:
