@@ -438,22 +438,27 @@ def verify(device: torch.device) -> list[str]:
     from .reference import weight_only_reference
     from .triton_w8a16_gemm import w8a16_mm_triton
 
-    for m, n, k, rotation, group, fp8 in [
-            (1, 18432, 3072, "regular", 256, False), (1, 9216, 3072, "none", 0, True),
-            (16, 3072, 12288, "regular", 256, False), (3, 1000, 3072, "sylvester", 128, False),
-            (7, 6144, 3072, "none", 0, False)]:
-        x = (torch.randn(m, k, device=device) * 3).to(torch.bfloat16)
+    # (and HadaNorm's: smoothed, centred, Sylvester-rotated; a common offset per row for the centring to take out)
+    for m, n, k, rotation, group, fp8, hadanorm in [
+            (1, 18432, 3072, "regular", 256, False, False), (1, 9216, 3072, "none", 0, True, False),
+            (16, 3072, 12288, "regular", 256, False, False), (3, 1000, 3072, "sylvester", 128, False, False),
+            (7, 6144, 3072, "none", 0, False, False), (1, 18432, 3072, "sylvester", 128, False, True),
+            (16, 3072, 12288, "sylvester", 128, False, True)]:
+        x = (torch.randn(m, k, device=device) * 3 + (5.0 if hadanorm else 0.0)).to(torch.bfloat16)
         x[0, 5] = 80.0  # an outlier channel
         w = (torch.randn(n, k, device=device) * 60).clamp(-448, 448).to(FP8) if fp8 else \
             torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
         sw, bias = torch.rand(n, device=device) * 1e-2, torch.randn(n, device=device, dtype=torch.bfloat16)
-        ref = weight_only_reference(x, w, sw, bias, torch.float32, rotation, group)
+        smooth = torch.rand(k, device=device) + 0.5 if hadanorm else None
+        rowsum = torch.randn(n, device=device) * 20 if hadanorm else None
+        ref = weight_only_reference(x, w, sw, bias, torch.float32, rotation, group, smooth, rowsum)
         for cfg in w8a16_candidates(cap):
             poison = torch.full((m, n), float("nan"), device=device)
-            out = w8a16_mm_triton(x, w, sw, bias, torch.float32, cfg, rotation, group, out=poison)
+            out = w8a16_mm_triton(x, w, sw, bias, torch.float32, cfg, rotation, group, poison, smooth, rowsum)
             rel = ((out - ref).norm() / ref.norm()).item()
             # fp32 sums in another order; rotated: a value may round to the other side of a bf16 tie
-            check(f"w8a16 m={m} n={n} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'} {cfg.name}",
+            check(f"w8a16 m={m} n={n} k={k} {rotation}{group}{' hadanorm' if hadanorm else ''} "
+                  f"{'fp8' if fp8 else 'int8'} {cfg.name}",
                   torch.isfinite(out).all().item() and rel < (1e-5 if rotation == "none" else 1e-4), f"rel err {rel:.1e}")
     _check_back_to_back(device, cap, check)
     from .triton_w4_expand import _ptx_checked as _expand_checked

@@ -19,8 +19,9 @@ residual of the row's own codes on the same per-token scale; the weight stores t
 ``[w | w[:, O] | w_lo[:, O]]``, so one FP8 GEMM over ``K + 2r`` columns adds
 ``lo[O] . w[O] + q[O] . w_lo[O]`` to the plain product (``fp8_outlier_split``).
 
-Weight-only product (few rows): ``out = float32(round_in(x') @ W.T) * w_scale[n] + bias[n]`` with ``x'`` the
-rotated activation rounded to its own dtype, no codes (``weight_only_reference``).
+Weight-only product (few rows): ``out = float32(round_in(x') @ W.T) * w_scale[n] (+ mu[m] * rowsum[n]) + bias[n]``
+with ``x'`` the smoothed, centred and rotated activation (each optional, as above) rounded to its own dtype, no
+codes (``weight_only_reference``).
 
 Scaled GEMM: ``out = float32(A_q @ B_q.T) * a_scale[m] * b_scale[n] + row_shift[m] * col_shift[n]
 + bias[n]``, the INT8 product accumulated exactly in int32, then cast to the output dtype.
@@ -110,14 +111,25 @@ def scaled_mm_reference(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
 
 
 def weight_only_reference(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                          out_dtype: torch.dtype, rotation: str = "none", group_size: int = 0) -> torch.Tensor:
-    """The W8A16 product (``triton_w8a16_gemm.py``): ``x`` rotated in fp32 and rounded back to its own dtype,
-    times the INT8 / e4m3 weight's values (no activation quantization), fp32 sums, then ``w_scale`` (``[N]`` or
-    one value) and the bias, cast once to ``out_dtype``."""
+                          out_dtype: torch.dtype, rotation: str = "none", group_size: int = 0,
+                          smooth: torch.Tensor | None = None, center_rowsum: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """The W8A16 product (``triton_w8a16_gemm.py``): ``x`` smoothed, centred and rotated in fp32 (each as given)
+    and rounded back to its own dtype, times the INT8 / e4m3 weight's values (no activation quantization), fp32
+    sums, then ``w_scale`` (``[N]`` or one value), the centred-out mean times ``center_rowsum``, and the bias, cast
+    once to ``out_dtype``."""
     xf = x.float()
+    if smooth is not None:
+        xf = xf * smooth.float().reshape(1, -1)
+    mean = None
+    if center_rowsum is not None:
+        mean = xf.sum(dim=-1, keepdim=True) / xf.shape[-1]
+        xf = xf - mean
     if rotation != "none":
         xf = rotate_blocks(xf, rotation, group_size)
     out = (xf.to(x.dtype).double() @ weight.double().t()).float() * w_scale.float().reshape(1, -1)
+    if mean is not None:
+        out = out + mean * center_rowsum.float().reshape(1, -1)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)

@@ -6,13 +6,17 @@ is most of such a layer's error. This kernel reads the activation as it is, conv
 activation's dtype in registers (exact: INT8 and e4m3 values are bf16 and fp16 values) and multiplies on the
 tensor cores with fp32 sums::
 
-    out[m, n] = sum_k round_in(rot(x)[m, k]) * w[n, k] * w_scale[n] (+ bias[n])
+    x'[m]     = rot(x[m] * smooth - mu[m])           (each step optional; mu[m] = mean_k(x[m, k] * smooth[k]))
+    out[m, n] = sum_k round_in(x'[m, k]) * w[n, k] * w_scale[n] (+ mu[m] * rowsum[n]) (+ bias[n])
 
 where the weight was quantized after a block Hadamard rotation (ConvRot, QuaRot), a first small launch
 (``_rotate_rows_kernel``) rotates the activation (``_rotate_superblocks``, the act-quant kernel's own, with its
 fp16 operands split in two: about 2^-22 of each super-block's maximum) and rounds it back to its dtype, to
 nearest even. (Rotating inside the product, each program its own copy, took 2.5x as long at 3072 x 3072 on an
-H200.)
+H200.) HadaNorm's column smoothing and per-token centring happen in the same launch, in fp32 before the
+rotation, as the act-quant kernel does them; every program of a row sums the whole row for its mean (in one
+order: the same bits in each), and the first writes it out for the product's epilogue, which adds the mean
+back through the weight's stored row sums (``mu * rowsum``), as the quantized path's does.
 
 This is what the ``dequant`` backend computes (the weight rounded as stored, the activation not quantized;
 ``reference.weight_only_reference``), without a dequantized copy of the weight; the scale is applied to the
@@ -23,8 +27,7 @@ fp16 down to 2^-39 of that maximum, and the tile's fp32 sums are scaled back. On
 products are wrong, INT8 products are formed in fp32 instead. Each product of an activation value and a weight
 value is exact in fp32 on every path.
 
-Not here: HadaNorm's smoothing and centring, FP8 outlier columns, 4-bit weights (their linears keep their
-other candidates).
+Not here: FP8 outlier columns, 4-bit weights (their linears keep their other candidates).
 """
 
 from __future__ import annotations
@@ -46,23 +49,43 @@ ROTATE_SUPER_BLOCKS = 2  # 512 columns a program of the rotation kernel
 
 
 @triton.jit
-def _rotate_rows_kernel(x_ptr, y_ptr, pmat_ptr, qmat_ptr, K, stride_xm, stride_ym, rot_norm, SB: tl.constexpr,
-                        TWO_STAGE: tl.constexpr, ROT_IMPL: tl.constexpr, SRC_ROUND: tl.constexpr):
-    """``SB`` 256-wide super-blocks of one row, rotated and rounded to the output's dtype."""
+def _rotate_rows_kernel(x_ptr, y_ptr, smooth_ptr, mean_ptr, pmat_ptr, qmat_ptr, K, stride_xm, stride_ym, rot_norm,
+                        SB: tl.constexpr, TWO_STAGE: tl.constexpr, ROT_IMPL: tl.constexpr, SRC_ROUND: tl.constexpr,
+                        HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr,
+                        ROUND_IN: tl.constexpr):
+    """``SB`` 256-wide super-blocks of one row: smoothed, centred, rotated (each if asked), rounded to the output's
+    dtype; with ``CENTER`` the row's mean of the smoothed values goes to ``mean_ptr[row]``."""
+    CHUNK: tl.constexpr = SB * 256
     row = tl.program_id(1)
-    cols = tl.program_id(0) * (SB * 256) + tl.arange(0, SB * 256)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    cols = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ok = cols < K
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-    y = _rotate_superblocks(tl.reshape(x, (SB, 256)), pmat_ptr, qmat_ptr, qmat_ptr, rot_norm, SB, TWO_STAGE, ROT_IMPL,
-                            True, False)
-    y = _round_to_src(tl.reshape(y, (SB * 256,)), SRC_ROUND)  # exact in the output's dtype
+    x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_SMOOTH:
+        x = x * tl.load(smooth_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if CENTER:
+        total = tl.zeros((CHUNK,), dtype=tl.float32)
+        for k0 in range(0, K, CHUNK):  # the whole row, in the same order in every program of it
+            ks = k0 + tl.arange(0, CHUNK)
+            v = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            if HAS_SMOOTH:
+                v = v * tl.load(smooth_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            total += v
+        mean = tl.sum(total, axis=0) / K
+        x = x - mean  # columns past K (whole rotation groups of their own) are never stored
+        one = tl.arange(0, 1)
+        tl.store(mean_ptr + row + one, tl.zeros((1,), dtype=tl.float32) + mean, mask=(one + tl.program_id(0)) == 0)
+    if ROTATE:
+        x = tl.reshape(_rotate_superblocks(tl.reshape(x, (SB, 256)), pmat_ptr, qmat_ptr, qmat_ptr, rot_norm, SB,
+                                           TWO_STAGE, ROT_IMPL, True, ROUND_IN), (CHUNK,))
+    y = _round_to_src(x, SRC_ROUND)  # exact in the output's dtype
     tl.store(y_ptr + row.to(tl.int64) * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_N: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, DOT: tl.constexpr):
+def _w8a16_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, mean_ptr, rowsum_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                  stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SCALE_PER_N: tl.constexpr, HAS_BIAS: tl.constexpr, SHIFT: tl.constexpr, DOT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,6 +116,9 @@ def _w8a16_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_
         acc = acc * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     else:
         acc = acc * tl.load(w_scale_ptr)
+    if SHIFT:  # the centred-out mean, added back through the weight's row sums
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        acc = acc + mean[:, None] * tl.load(rowsum_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -100,7 +126,8 @@ def _w8a16_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_
 
 
 def w8a16_problem(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, rotation: str,
-                  group_size: int) -> str | None:
+                  group_size: int, smooth: torch.Tensor | None = None,
+                  center_rowsum: torch.Tensor | None = None) -> str | None:
     """Why :func:`w8a16_mm_triton` cannot take this call (``None`` when it can)."""
     if x2d.dtype not in INPUT_DTYPES:
         return f"the weight-only kernel takes bf16 or fp16 activations, got {x2d.dtype}"
@@ -110,37 +137,48 @@ def w8a16_problem(x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtyp
         return f"the weight-only kernel writes bf16, fp16 or fp32, not {out_dtype}"
     if rotation != "none" and not (16 <= group_size <= 256 and group_size & (group_size - 1) == 0):
         return f"the weight-only kernel rotates in Hadamard groups of 16..256 (a power of two), got {group_size}"
+    for what, t, want in (("smoothing multiplier", smooth, x2d.shape[1]), ("centring row sums", center_rowsum,
+                                                                           weight.shape[0])):
+        if t is not None and (t.numel() != want or not t.is_contiguous()):
+            return f"the weight-only kernel needs the {what} as {want} contiguous values, got {tuple(t.shape)}"
     return None
 
 
 def w8a16_mm_triton(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                     out_dtype: torch.dtype, config: GemmConfig, rotation: str = "none", group_size: int = 0,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, smooth: torch.Tensor | None = None,
+                    center_rowsum: torch.Tensor | None = None) -> torch.Tensor:
     """``[M, K]`` bf16/fp16 ``x`` times an INT8 / e4m3 ``weight`` ``[N, K]`` with fp32 ``w_scale`` ``[N]`` or one
     value: ``[M, N]`` in ``out_dtype`` (see the module docstring). ``x`` and ``weight`` need unit column strides.
-    ``out`` (tests: a poisoned buffer) receives the result when given."""
-    return w8a16_launches(x, weight, w_scale, bias, out_dtype, config, rotation, group_size, out)[-1]
+    ``smooth`` (fp32 ``[K]``) and ``center_rowsum`` (fp32 ``[N]``: centre each row, add its mean back times these)
+    are HadaNorm's. ``out`` (tests: a poisoned buffer) receives the result when given."""
+    return w8a16_launches(x, weight, w_scale, bias, out_dtype, config, rotation, group_size, out, smooth,
+                          center_rowsum)[-1]
 
 
 def w8a16_launches(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                    out_dtype: torch.dtype, config: GemmConfig, rotation: str = "none", group_size: int = 0,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """:func:`w8a16_mm_triton`'s launches; the tensors they allocated, in order: the rotated activation (rotated
-    products only), then the output."""
+                   out: torch.Tensor | None = None, smooth: torch.Tensor | None = None,
+                   center_rowsum: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`w8a16_mm_triton`'s launches; the tensors they allocated, in order: the prepared activation (rotated,
+    smoothed or centred products only), the row means (centred products only), then the output."""
     m, k = x.shape
     n = weight.shape[0]
-    made = ()
-    if rotation != "none" and m and k:
-        x = rotate_rows_triton(x, rotation, group_size)
-        made = (x,)
+    center = center_rowsum is not None
+    made, mean = (), None
+    if (rotation != "none" or smooth is not None or center) and m and k:
+        x, mean = prepare_rows_triton(x, rotation, group_size, smooth, center)
+        made = (x,) if mean is None else (x, mean)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device) if out is None else out
     if m == 0 or n == 0:
         return (*made, out)
     grid = (-(-n // config.block_n), -(-m // config.block_m))
-    _KERNEL.launch(grid, (x, weight, w_scale, bias if bias is not None else w_scale, out, m, n, k, x.stride(0),
-                          weight.stride(0), out.stride(0)),
+    _KERNEL.launch(grid, (x, weight, w_scale, bias if bias is not None else w_scale,
+                          mean if center else w_scale, center_rowsum if center else w_scale, out, m, n, k,
+                          x.stride(0), weight.stride(0), out.stride(0)),
                    dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                        SCALE_PER_N=w_scale.numel() != 1, HAS_BIAS=bias is not None, DOT=_dot_kind(x, weight)),
+                        SCALE_PER_N=w_scale.numel() != 1, HAS_BIAS=bias is not None, SHIFT=center,
+                        DOT=_dot_kind(x, weight)),
                    num_warps=config.num_warps, num_stages=config.num_stages)
     return (*made, out)
 
@@ -149,14 +187,31 @@ def rotate_rows_triton(x: torch.Tensor, rotation: str, group_size: int, super_bl
                        ) -> torch.Tensor:
     """``x`` ``[M, K]`` (unit column stride) times ``blockdiag(H_G)``, rounded to ``x``'s dtype to nearest even:
     a new ``[M, K]`` tensor. ``super_blocks`` 256-wide super-blocks a program (a power of two)."""
+    return prepare_rows_triton(x, rotation, group_size, super_blocks=super_blocks)[0]
+
+
+def prepare_rows_triton(x: torch.Tensor, rotation: str, group_size: int, smooth: torch.Tensor | None = None,
+                        center: bool = False, super_blocks: int = ROTATE_SUPER_BLOCKS
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``rot(x * smooth - mu)`` (each step optional; ``rotation`` ``"none"`` skips the rotation), computed in fp32 and
+    rounded to ``x``'s dtype to nearest even, and the fp32 row means ``mu`` ``[M]`` (``None`` without ``center``)."""
     m, k = x.shape
     y = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    pmat, qmat, _, rot_norm, two_stage = _rotation_operands(rotation, group_size, "batched", x.device, x)
-    _ROTATE.launch((-(-k // (256 * super_blocks)), m), (x, y, pmat, qmat, k, x.stride(0), y.stride(0), rot_norm),
+    mean = torch.empty((m,), dtype=torch.float32, device=x.device) if center else None
+    rotate = rotation != "none"
+    if rotate:
+        pmat, qmat, _, rot_norm, two_stage = _rotation_operands(rotation, group_size, "batched", x.device, x)
+    else:  # unused operands
+        pmat = qmat = x
+        rot_norm, two_stage = 1.0, False
+    _ROTATE.launch((-(-k // (256 * super_blocks)), m),
+                   (x, y, smooth if smooth is not None else x, mean if center else x, pmat, qmat, k, x.stride(0),
+                    y.stride(0), rot_norm),
                    dict(SB=super_blocks, TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS["batched"],
-                        SRC_ROUND=_src_rounding(x)),
+                        SRC_ROUND=_src_rounding(x), HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
+                        ROUND_IN=smooth is not None or center),
                    num_warps=4)
-    return y
+    return y, mean
 
 
 def _dot_kind(x: torch.Tensor, weight: torch.Tensor) -> int:

@@ -10,9 +10,10 @@ weight is ``[N, K + 2r]`` (``kernels/fp8_gemm.py``). The candidates the dispatch
 * ``kitchen``         – comfy-kitchen's ``int8_linear`` (INT8, no rotation or ConvRot 256 only)
 * ``dequant``         – dequantize the weight, float ``F.linear`` (no activation quantization)
 * ``dequant:<config>`` – the same product in Triton for few rows (M <= 16; ``triton_w8a16_gemm.py``): the weight
-  converted in registers, the activation only rotated, no dequantized copy of the weight. On a GPU a call of at
-  most 16 rows that this kernel takes is offered only these and ``dequant`` (unless a backend is forced): such a
-  call is bound by the weight's bytes, so its activation is not quantized
+  converted in registers, the activation only pre-processed (rotated; HadaNorm: smoothed and centred too, the mean
+  added back in the epilogue), no dequantized copy of the weight. On a GPU a call of at most 16 rows that this
+  kernel takes is offered only these and ``dequant`` (unless a backend is forced): such a call is bound by the
+  weight's bytes, so its activation is not quantized
 * ``eager``           – the pure-torch reference of both kernels
 
 Steady state: :func:`w8a8_linear_fast` looks up the plan the dispatcher settled on for the call's
@@ -211,7 +212,7 @@ class _TritonOutlierPlan:
 
 class _WeightOnlyPlan:
     """The ``dequant:<config>`` decision: :func:`triton_w8a16_gemm.w8a16_mm_triton` (one launch, two with a
-    rotation), replayed per kind of input."""
+    rotation, smoothing or centring), replayed per kind of input."""
 
     __slots__ = ("config", "rotation", "group_size", "out_dtype", "scale_as_is", "replays")
 
@@ -227,9 +228,10 @@ class _WeightOnlyPlan:
         if x.stride(-1) != 1:
             x = x.contiguous()
         key, sources = input_kind(x)
-        return self.replays.run(key, (*sources, weight, w_scale, bias),
+        return self.replays.run(key, (*sources, weight, w_scale, bias, smooth, center_rowsum),
                                 lambda: w8a16_launches(x, weight, w_scale, bias, self.out_dtype, self.config,
-                                                       self.rotation, self.group_size), last_only=True)[-1]
+                                                       self.rotation, self.group_size, None, smooth, center_rowsum),
+                                last_only=True)[-1]
 
 
 def _act_quant_runs(x2d: torch.Tensor, pre: Preprocess, fp8: bool) -> bool:
@@ -466,7 +468,7 @@ class _Plan:
         forced = active_backend()
         if on_gpu and weight_only and forced is Backend.AUTO and dispatch.current_dispatcher().few_rows_weight_only:
             # few rows: bound by the weight's bytes, so the activation is not quantized (W8A16: more accurate, about
-            # as fast: docs/kernels.md, "Few rows"); a forced backend still runs its own path
+            # as fast: docs/kernels.md, Session 33); a forced backend still runs its own path
             return weight_only + ["dequant"]
         if on_gpu:  # the reference is never measured on a GPU (it cannot win); it runs when forced
             return (triton + torch_mm + kitchen + (weight_only if forced is not Backend.AUTO else []) + ["dequant"]
@@ -476,15 +478,16 @@ class _Plan:
         return kitchen + torch_mm + ["eager", "dequant"] + (triton + weight_only if interpreting() else [])
 
     def _weight_only_names(self) -> list[str]:
-        """The ``dequant:<config>`` candidates: few rows, no smoothing, centring or outlier columns, and a call the
-        W8A16 kernel takes (``triton_w8a16_gemm.w8a16_problem``)."""
+        """The ``dequant:<config>`` candidates: few rows, no outlier columns, and a call the W8A16 kernel takes
+        (``triton_w8a16_gemm.w8a16_problem``)."""
         pre, m = self.pre, self.x.shape[0]
-        if (m > WEIGHT_ONLY_MAX_M or pre.smooth is not None or pre.center_rowsum is not None or pre.outliers
+        if (m > WEIGHT_ONLY_MAX_M or pre.outliers
                 or triton_problem(self.device, needs_fp8=self.fp8 and self.device.type == "cuda") is not None):
             return []
         from .triton_w8a16_gemm import w8a16_problem
 
-        if w8a16_problem(self.x, self.weight, self.out_dtype, pre.rotation, pre.group_size) is not None:
+        if w8a16_problem(self.x, self.weight, self.out_dtype, pre.rotation, pre.group_size, pre.smooth,
+                         pre.center_rowsum) is not None:
             return []
         configs = w8a16_candidates(capability(self.device)) if self.device.type == "cuda" else [W8A16_DEFAULT]
         return [f"dequant:{c.name}" for c in configs]
@@ -538,8 +541,9 @@ class _Plan:
     def _weight_only(self, config) -> torch.Tensor:
         from .triton_w8a16_gemm import w8a16_mm_triton
 
+        pre = self.pre
         return w8a16_mm_triton(self.x.contiguous(), self.weight, self.w_scale, self.bias, self.out_dtype, config,
-                               self.pre.rotation, self.pre.group_size)
+                               pre.rotation, pre.group_size, None, pre.smooth, pre.center_rowsum)
 
     def _dequant(self) -> torch.Tensor:
         compute = self.x.dtype if self.x.dtype in (torch.float16, torch.bfloat16) and self.x.is_cuda else torch.float32

@@ -71,6 +71,51 @@ def test_a_row_ending_inside_a_super_block(group):
     assert _rel(out, weight_only_reference(x, w, scale, None, torch.float32, "sylvester", group)) < 1e-4
 
 
+PREPARED = [("smooth+center", True, True), ("center", False, True), ("smooth", True, False)]
+
+
+@pytest.mark.parametrize("prep,smoothed,centred", PREPARED, ids=[p[0] for p in PREPARED])
+@pytest.mark.parametrize("rotation,group", [("sylvester", 128), ("none", 0), ("regular", 64)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+@pytest.mark.parametrize("m,n,k", [(3, 40, 768), (16, 24, 384)])
+def test_smoothed_and_centred_products_match_the_reference(prep, smoothed, centred, rotation, group, fp8, m, n, k):
+    """HadaNorm's pre-processing in the weight-only kernel: the activation multiplied by the smoothing columns,
+    each row's mean taken out before the rotation and added back as ``mean * rowsum`` in the epilogue. Rows have a
+    large common offset, so a missing or doubled mean would be far outside the tolerance. (K = 384: the rotation
+    kernel's last super-block is half padding, outside the row's sum.)"""
+    x = (randn(m, k, seed=k, scale=2.0) + 25.0).to(torch.bfloat16)
+    w = _weight(n, k, fp8, seed=n)
+    scale = torch.rand(n, generator=torch.Generator().manual_seed(5)) / 50 + 1e-3
+    smooth = torch.rand(k, generator=torch.Generator().manual_seed(6)) + 0.5 if smoothed else None
+    rowsum = randn(n, seed=7, scale=40.0) if centred else None
+    bias = randn(n, seed=8, dtype=torch.bfloat16)
+    for config in CONFIGS[:2]:
+        out = _mm(x, w, scale, bias, torch.float32, config, rotation, group, torch.full((m, n), float("nan")),
+                  smooth, rowsum)
+        ref = weight_only_reference(x, w, scale, bias, torch.float32, rotation, group, smooth, rowsum)
+        assert not out.isnan().any()
+        assert _rel(out, ref) < 1e-4, config.name
+    if centred:  # without the mean added back the result is another one
+        plain = weight_only_reference(x, w, scale, bias, torch.float32, rotation, group, smooth)
+        assert _rel(out, plain) > 1e-2
+
+
+@pytest.mark.parametrize("super_blocks", [1, 2])
+def test_the_pre_pass_writes_each_rows_mean_and_a_centred_row(super_blocks):
+    from lowbit.kernels.hadamard import rotate_blocks
+    from lowbit.kernels.triton_w8a16_gemm import prepare_rows_triton
+
+    x = (randn(4, 384, seed=3, scale=3.0) + torch.arange(4.0).reshape(4, 1) * 50).to(torch.bfloat16)
+    smooth = torch.rand(384, generator=torch.Generator().manual_seed(1)) + 0.5
+    y, mean = prepare_rows_triton(x, "sylvester", 128, smooth, True, super_blocks)
+    xs = x.float() * smooth
+    torch.testing.assert_close(mean, xs.mean(dim=-1), rtol=1e-6, atol=1e-5)
+    want = rotate_blocks(xs - xs.mean(dim=-1, keepdim=True), "sylvester", 128).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and ((y.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-5).all()
+    y, none = prepare_rows_triton(x, "none", 0, None, False, super_blocks)
+    assert none is None and torch.equal(y, x)  # nothing asked: the row as it was
+
+
 @pytest.mark.parametrize("x_dtype,out_dtype", [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)])
 def test_one_scale_no_bias_and_half_outputs(x_dtype, out_dtype):
     x = randn(3, 256, seed=1, dtype=x_dtype)
@@ -138,38 +183,55 @@ def test_few_rows_offer_the_weight_only_kernel_and_others_do_not():
     assert name in _plan(4, Preprocess("regular", 256)).names()
     assert not any(n.startswith("dequant:") for n in _plan(WEIGHT_ONLY_MAX_M + 1).names())
     smooth, rowsum = torch.rand(256) + 0.5, torch.rand(32)
-    assert not any(n.startswith("dequant:") for n in _plan(2, Preprocess("sylvester", 128, smooth, rowsum)).names())
+    assert name in _plan(2, Preprocess("sylvester", 128, smooth, rowsum)).names()  # HadaNorm
+    assert not any(n.startswith("dequant:") for n in _plan(2, Preprocess("sylvester", 128, smooth[:128], rowsum)
+                                                           ).names())  # a multiplier of the wrong size
+    outliers = Preprocess(outlier_index=torch.tensor([3, 7], dtype=torch.int32))
+    x = randn(2, 256, seed=2, dtype=torch.bfloat16)
+    assert not any(n.startswith("dequant:") for n in _Plan(x, _weight(32, 256 + 4, True, seed=1), torch.rand(32),
+                                                           None, torch.bfloat16, outliers, True).names())
     assert not any(n.startswith("dequant:") for n in _plan(2, x_dtype=torch.float32).names())
     # on the CPU the interpreter's candidates come last: a CPU call keeps its default implementation
     assert not _plan(1).names()[0].startswith(("dequant:", "triton:"))
 
 
-@pytest.mark.parametrize("fmt,fp8,rotation,group", [("int8_convrot", False, "regular", 256),
-                                                    ("fp8_rowwise", True, "none", 0)])
-def test_a_settled_weight_only_decision_runs_the_kernel_on_every_later_call(fmt, fp8, rotation, group):
+@pytest.mark.parametrize("fmt,fp8,rotation,group,hadanorm", [("int8_convrot", False, "regular", 256, False),
+                                                             ("fp8_rowwise", True, "none", 0, False),
+                                                             ("int8", False, "sylvester", 128, True)],
+                         ids=["int8_convrot", "fp8_rowwise", "int8_hadanorm"])
+def test_a_settled_weight_only_decision_runs_the_kernel_on_every_later_call(fmt, fp8, rotation, group, hadanorm):
     """The dispatcher's ``dequant:<config>`` choice: the first call runs it through the full path, later calls
-    through the steady-state plan (one launch), with the same bits; both are the dequantize backend's product up to
-    its bf16 rounding of each weight."""
+    through the steady-state plan (one launch; two with a pre-pass), with the same bits; both are the dequantize
+    backend's product up to its bf16 rounding of each weight. HadaNorm (``int8_hadanorm``'s call: smoothing,
+    centring, QuaRot's rotation) included."""
     n, k = 48, 512
     w, scale = _weight(n, k, fp8, seed=5), torch.rand(n) / 50 + 1e-3
     bias = randn(n, seed=6, dtype=torch.bfloat16)
-    key = dispatch.DispatchKey(f"{fmt}+{rotation}{group}" if group else fmt, (0, 0), 16, n, k).as_str()
+    smooth = torch.rand(k, generator=torch.Generator().manual_seed(9)) + 0.5 if hadanorm else None
+    rowsum = randn(n, seed=10, scale=30.0) if hadanorm else None
+    pre = Preprocess(rotation, group, smooth, rowsum)
+    key = dispatch.DispatchKey(f"{fmt}+{pre.key()}" if pre.key() else fmt, (0, 0), 16, n, k).as_str()
     name = f"dequant:{W8A16_DEFAULT.name}"
     d = dispatch.Dispatcher(measure=False, decisions={key: name})
+    offset = 10.0 if hadanorm else 0.0  # a common offset per row, what HadaNorm's centring takes out
     with dispatch.use_dispatcher(d):
-        first = w8a8_linear_fast(fmt, randn(3, k, seed=7, dtype=torch.bfloat16), w, scale, bias, torch.bfloat16,
-                                 rotation, group)
+        first = w8a8_linear_fast(fmt, (randn(3, k, seed=7) + offset).to(torch.bfloat16), w, scale, bias,
+                                 torch.bfloat16, rotation, group, smooth, rowsum)
         plans = [type(p).__name__ for p in d.fast_plans.values()]
-        x = randn(3, k, seed=8, dtype=torch.bfloat16)
+        x = (randn(3, k, seed=8) + offset).to(torch.bfloat16)
         hits = d.fast_hits
-        again = w8a8_linear_fast(fmt, x, w, scale, bias, torch.bfloat16, rotation, group)
+        again = w8a8_linear_fast(fmt, x, w, scale, bias, torch.bfloat16, rotation, group, smooth, rowsum)
         assert d.fast_hits == hits + 1 and plans == ["_WeightOnlyPlan"]
-    full = w8a8_linear(x, w, scale, bias, torch.bfloat16, Preprocess(rotation, group), fmt)  # measured nothing: CPU
-    ref = weight_only_reference(x, w, scale, bias, torch.bfloat16, rotation, group)
+    full = w8a8_linear(x, w, scale, bias, torch.bfloat16, pre, fmt)  # measured nothing: CPU
+    ref = weight_only_reference(x, w, scale, bias, torch.bfloat16, rotation, group, smooth, rowsum)
     assert first.shape == again.shape == (3, n) and torch.equal(again, _Plan(
-        x, w, scale, bias, torch.bfloat16, Preprocess(rotation, group), fp8).make(name)())
+        x, w, scale, bias, torch.bfloat16, pre, fp8).make(name)())
     assert _rel(again.float(), ref.float()) < 2 ** -7
     with force_backend(Backend.DEQUANT):
-        dequant = w8a8_linear(x, w, scale, bias, torch.bfloat16, Preprocess(rotation, group), fmt)
+        dequant = w8a8_linear(x, w, scale, bias, torch.bfloat16, pre, fmt)
     assert _rel(again.float(), dequant.float()) < 2 ** -6
-    assert _rel(full.float(), ref.float()) > _rel(again.float(), ref.float())  # the default CPU path quantizes x
+    # the default CPU path quantizes x: far from the weight-only product, compared in fp32 (the interpreter's bf16
+    # cast truncates, and HadaNorm's output is mostly the exact mean term)
+    ref32 = weight_only_reference(x, w, scale, bias, torch.float32, rotation, group, smooth, rowsum)
+    ours32 = _Plan(x, w, scale, bias, torch.float32, pre, fp8).make(name)()
+    assert _rel(full.float(), ref32) > 10 * _rel(ours32, ref32)

@@ -1,4 +1,4 @@
-"""On a CUDA GPU: W8A8 calls of at most 16 rows are computed weight-only (``dequant:<config>``, W8A16) unless the
+"""On a CUDA GPU: W8A8 calls of at most 16 rows (HadaNorm's too) are computed weight-only (``dequant:<config>``, W8A16) unless the
 dispatcher is told not to (``Dispatcher.few_rows_weight_only``) or a backend is forced, and the measured choice
 matches the weight-only reference. Skipped without a GPU (the CPU interpreter's tests are in
 ``test_kernels_w8a16.py``); ``tests/gpu/README.md`` says how to run it there."""
@@ -44,22 +44,27 @@ def test_few_rows_offer_only_weight_only_unless_switched_off(fp8):
         assert any(n.startswith("triton:") for n in _plan(1, fp8).names())
 
 
-@pytest.mark.parametrize("fp8,rotation,group", [(False, "none", 0), (False, "regular", 256), (True, "none", 0)],
-                         ids=["int8", "int8_convrot", "fp8"])
+@pytest.mark.parametrize("fp8,rotation,group,hadanorm", [(False, "none", 0, False), (False, "regular", 256, False),
+                                                        (True, "none", 0, False), (False, "sylvester", 128, True)],
+                         ids=["int8", "int8_convrot", "fp8", "int8_hadanorm"])
 @pytest.mark.parametrize("m", [1, 5, WEIGHT_ONLY_MAX_M])
-def test_the_measured_few_row_choice_is_the_weight_only_product(fp8, rotation, group, m):
+def test_the_measured_few_row_choice_is_the_weight_only_product(fp8, rotation, group, hadanorm, m):
     n, k = 3072, 3072
     w, scale = _weight(n, k, fp8), (torch.rand(n) / 50 + 1e-3).to(DEVICE)
     bias = randn(n, seed=6, dtype=torch.bfloat16).to(DEVICE)
-    x = randn(m, k, seed=7, dtype=torch.bfloat16).to(DEVICE)
-    fmt = "fp8_rowwise" if fp8 else ("int8_convrot" if group else "int8")
+    x = (randn(m, k, seed=7) + (4.0 if hadanorm else 0.0)).to(torch.bfloat16).to(DEVICE)
+    smooth = (torch.rand(k) + 0.5).to(DEVICE) if hadanorm else None
+    rowsum = randn(n, seed=8, scale=20.0).to(DEVICE) if hadanorm else None
+    fmt = "fp8_rowwise" if fp8 else ("int8_convrot" if group == 256 else "int8")
+    pre = Preprocess(rotation, group, smooth, rowsum)
     d = dispatch.Dispatcher()
     with dispatch.use_dispatcher(d):
-        out = w8a8_linear(x, w, scale, bias, torch.bfloat16, Preprocess(rotation, group), fmt)
-        again = w8a8_linear(x, w, scale, bias, torch.bfloat16, Preprocess(rotation, group), fmt)
+        out = w8a8_linear(x, w, scale, bias, torch.bfloat16, pre, fmt)
+        again = w8a8_linear(x, w, scale, bias, torch.bfloat16, pre, fmt)
     (choice,) = d.decisions.values()
     assert choice.startswith("dequant"), d.decisions
-    ref = weight_only_reference(x.cpu(), w.cpu(), scale.cpu(), bias.cpu(), torch.bfloat16, rotation, group)
+    ref = weight_only_reference(x.cpu(), w.cpu(), scale.cpu(), bias.cpu(), torch.bfloat16, rotation, group,
+                                None if smooth is None else smooth.cpu(), None if rowsum is None else rowsum.cpu())
     for y in (out, again):
         rel = ((y.double().cpu() - ref.double()).norm() / ref.double().norm()).item()
         assert y.shape == (m, n) and rel < 2 ** -7, (choice, rel)

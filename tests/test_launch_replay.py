@@ -183,19 +183,23 @@ def test_w4_replays_give_the_ordinary_bits(name, kind, interpreted):
     assert torch.equal(replayed, _ordinary(plan, x, call))
 
 
-@pytest.mark.parametrize("fp8,rotation,group", [(False, "regular", 256), (True, "none", 0)], ids=["convrot", "fp8"])
-def test_weight_only_replays_give_the_ordinary_bits(fp8, rotation, group, interpreted):
-    """The few-row W8A16 plan (``dequant:<config>``): one launch (two with a rotation), replayed from the third call of
-    a kind of input."""
+@pytest.mark.parametrize("fp8,rotation,group,hadanorm", [(False, "regular", 256, False), (True, "none", 0, False),
+                                                        (False, "sylvester", 128, True)],
+                         ids=["convrot", "fp8", "hadanorm"])
+def test_weight_only_replays_give_the_ordinary_bits(fp8, rotation, group, hadanorm, interpreted):
+    """The few-row W8A16 plan (``dequant:<config>``): one launch (two with a rotation, or HadaNorm's smoothing and
+    centring), replayed from the third call of a kind of input; another layer's weights (its own smoothing and row
+    sums too) through the same recording."""
     plan = _WeightOnlyPlan(GemmConfig(16, 32, 256, 1, 4, 2), rotation, group, torch.bfloat16, scale_as_is=True)
     w = _weights(fp8)
 
     def call(x, weights=w):
-        return plan(x, weights["weight"], weights["scale"], weights["bias"], None, None)
+        return plan(x, weights["weight"], weights["scale"], weights["bias"], weights["smooth"] if hadanorm else None,
+                    weights["rowsum"] if hadanorm else None)
     for seed in (1, 2):
         call(_inputs("tensor", 3, seed))
     (_, replay), = plan.replays.entries.items()
-    launches = 2 if rotation != "none" else 1
+    launches = 2 if rotation != "none" or hadanorm else 1
     assert isinstance(replay, LaunchReplay) and len(replay.steps) == launches
     x = _inputs("tensor", 3, 3)
     before, launched = len(interpreted), _launches()

@@ -89,7 +89,7 @@ class HadaNormINT8Layout(QuantizedLayout):
 def hadanorm_linear(x: torch.Tensor, weight: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
     p = weight._params
     # smoothing, centring (mean * rowsum added back in the epilogue) and rotation are fused into the
-    # activation-quantization kernel
+    # activation-quantization kernel (few rows on a GPU: into the weight-only kernel's pre-pass, kernels/w8a8_linear.py)
     return int8_linear(x, weight._qdata, p.scale, bias, out_dtype=x.dtype, rotation=HADAMARD,
                        group_size=p.group_size, smooth=p.smooth, center_rowsum=p.rowsum)
 
