@@ -253,6 +253,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _environment(device: torch.device) -> dict[str, str]:
+    """What a measurement ran on, for the table's first line and the JSON file (numbers of two cards differ)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        capability = "".join(map(str, torch.cuda.get_device_capability(device)))
+    else:
+        name, capability = str(device), ""
+    return {"device": name, "capability": capability, "torch": torch.__version__, "triton": triton_status().reason}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     device = torch.device(args.device)
@@ -268,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lowbit bench kernels: bad argument ({err}); shape sets: {', '.join(SHAPE_SETS)}; "
               f"formats: {', '.join(FORMATS)}", file=sys.stderr)
         return 2
+    environment = _environment(device)
     if device.type == "cuda":
-        print(f"device {torch.cuda.get_device_name(device)} sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}, "
-              f"torch {torch.__version__}, {triton_status().reason}", flush=True)
+        print(f"device {environment['device']} sm_{environment['capability']}, torch {environment['torch']}, "
+              f"{environment['triton']}", flush=True)
     from .gpu_checks import launch_overhead, prewarm, sweep, verify
 
     failures = []
@@ -297,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in lines:
         print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "summary": lines, "sweep": sweep_lines,
+        Path(args.json).write_text(json.dumps({"environment": environment,
+                                               "verify": {"ran": args.verify, "failures": failures},
+                                               "rows": rows, "summary": lines, "sweep": sweep_lines,
                                                "overhead": overhead_lines,
                                                "decisions": dispatcher.decisions,
                                                "timings_us": dispatcher.timings_us,

@@ -128,15 +128,23 @@ def test_ops_compile_as_opaque_nodes():
     assert torch.equal(compiled(x), quantize(x))
 
 
-def test_bench_command_line(capsys):
+def test_bench_command_line(capsys, tmp_path):
+    import json
+
     from lowbit.kernels.bench import main
 
     assert main(["--shapes", "nope"]) == 2
     assert "shape sets" in capsys.readouterr().err
+    out_json = tmp_path / "bench.json"
     assert main(["--device", "cpu", "--shapes", "tiny", "--m", "16", "--formats", "int8,w4a4",
-                 "--no-kitchen", "--rep-ms", "1"]) == 0
+                 "--no-kitchen", "--rep-ms", "1", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "geomean vs bf16" in out and "int8" in out
+    report = json.loads(out_json.read_text())
+    # the file says what it was measured on: two cards' numbers must not be mixed up
+    assert report["environment"]["device"] == "cpu" and report["environment"]["torch"] == torch.__version__
+    assert report["verify"] == {"ran": False, "failures": []}
+    assert [(row["n"], row["k"], row["m"]) for row in report["rows"]] == [(256, 512, 16), (384, 768, 16)]
 
 
 def test_docs_examples_run():
