@@ -24,6 +24,7 @@ from comfy_kitchen.tensor import BaseLayoutParams, QuantizedLayout, QuantizedTen
 from ...kernels.fp8_gemm import (FP8, dequantize_fp8_rowwise, fp8_rowwise_linear, quantize_fp8_rowwise,
                                  quantize_fp8_rowwise_outliers)
 from ..errors import CheckpointFormatError
+from ..gptq import GPTQConfig, check_hessian, fp8_row_grid, gptq_round
 from .base import (FormatCodec, FormatSpec, plain_call, check_matrix, check_numel, register_linear_family,
                    require)
 
@@ -118,10 +119,15 @@ class FP8RowwiseCodec(FormatCodec):
     tensor_keys = ("weight", "weight_scale", OUTLIER_INDEX)
 
     def quantize(self, weight: torch.Tensor, *, compute_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 outlier_channels: torch.Tensor | None = None) -> QuantizedTensor:
+                 outlier_channels: torch.Tensor | None = None, hessian: torch.Tensor | None = None,
+                 gptq: GPTQConfig | None = None) -> QuantizedTensor:
         """:meth:`FormatCodec.quantize`; ``outlier_channels`` (int32 ``[r]``, e.g. from
         ``quant.calibration_outliers.select_outlier_channels``) gives those input channels a second
-        e4m3 term on both operands (see the module docstring); ``None``: a plain layer."""
+        e4m3 term on both operands (see the module docstring); ``None``: a plain layer. ``hessian``
+        (``[K, K]``, ``sum x^T x`` over the layer's calibration inputs) rounds the e4m3 codes by GPTQ
+        (``quant/gptq.py``, ``gptq`` its settings) on the same row scales, instead of to nearest."""
+        if hessian is not None:
+            return self._quantize_gptq(weight, hessian, gptq or GPTQConfig(), compute_dtype, seed, outlier_channels)
         if outlier_channels is None:
             return super().quantize(weight, compute_dtype=compute_dtype, seed=seed)
         problem = self.spec.shape_problem(tuple(weight.shape)) or outlier_index_problem(outlier_channels,
@@ -133,6 +139,22 @@ class FP8RowwiseCodec(FormatCodec):
         params = FP8RowwiseLayout.Params(scale=params.scale, orig_dtype=compute_dtype, orig_shape=tuple(weight.shape),
                                          outlier_index=params.outlier_index)
         return QuantizedTensor(qdata, self.spec.layout, params)
+
+    def _quantize_gptq(self, weight, hessian, config, compute_dtype, seed, outlier_channels) -> QuantizedTensor:
+        problem = self.spec.shape_problem(tuple(weight.shape))
+        if problem:
+            raise ValueError(problem)
+        if seed or outlier_channels is not None:
+            raise ValueError("fp8_rowwise: GPTQ rounding (a hessian) takes neither stochastic rounding nor outlier "
+                             "channels; give one of them")
+        check_hessian(hessian, weight.shape[1])
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / torch.finfo(FP8).max  # quantize_fp8_rowwise's scales
+        rounded = gptq_round(w, hessian.to(device=w.device, dtype=torch.float32), fp8_row_grid(scale, FP8), config)
+        codes = (rounded / scale[:, None]).clamp(-torch.finfo(FP8).max, torch.finfo(FP8).max).to(FP8)
+        params = FP8RowwiseLayout.Params(scale=scale[:, None].contiguous(), orig_dtype=compute_dtype,
+                                         orig_shape=tuple(weight.shape), outlier_index=None)
+        return QuantizedTensor(codes.contiguous(), self.spec.layout, params)
 
     def _quantize(self, weight, *, seed):
         return FP8RowwiseLayout.quantize(weight, stochastic_rounding=seed)

@@ -22,7 +22,9 @@ from typing import Mapping
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
+from ...kernels.hadamard import rotate_blocks
 from ...kernels.int8_gemm import int8_linear
+from ..gptq import GPTQConfig, check_hessian, gptq_round, row_grid
 from .base import FormatSpec, KitchenKernelCodec, W8A8Form, check_matrix, check_numel, conf_value, require
 
 LAYOUT = "TensorWiseINT8Layout"
@@ -35,6 +37,35 @@ class Int8TensorwiseCodec(KitchenKernelCodec):
     def __init__(self, spec: FormatSpec, convrot: bool):
         self.spec = spec
         self.convrot = convrot
+
+    def quantize(self, weight: torch.Tensor, *, compute_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 hessian: torch.Tensor | None = None, gptq: GPTQConfig | None = None) -> QuantizedTensor:
+        """:meth:`FormatCodec.quantize`; ``hessian`` (``[K, K]``, ``sum x^T x`` over the layer's calibration
+        inputs, in the layer's own basis) rounds the codes by GPTQ (``quant/gptq.py``, ``gptq`` its settings)
+        instead of to nearest: the same per-row scales and layout, so stock ComfyUI loads the result as any
+        ``int8_tensorwise`` weight."""
+        if hessian is None:
+            return super().quantize(weight, compute_dtype=compute_dtype, seed=seed)
+        problem = self.spec.shape_problem(tuple(weight.shape))
+        if problem:
+            raise ValueError(problem)
+        if seed:
+            raise ValueError(f"{self.spec.name}: GPTQ rounding (a hessian) and stochastic rounding (seed={seed}) "
+                             f"exclude each other; give one of them")
+        check_hessian(hessian, weight.shape[1])
+        w = weight.float()
+        h = hessian.to(device=w.device, dtype=torch.float32)
+        if self.convrot:  # quantized in the rotated basis: W R, and the inputs' H becomes R^T H R (R symmetric)
+            w = rotate_blocks(w, "regular", CONVROT_GROUP)
+            h = rotate_blocks(rotate_blocks(h, "regular", CONVROT_GROUP).T.contiguous(), "regular", CONVROT_GROUP)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # kitchen's row scales
+        rounded = gptq_round(w, h, row_grid(scale, -127, 127), gptq or GPTQConfig())
+        codes = torch.round(rounded / scale[:, None]).to(torch.int8)
+        params = TensorWiseINT8Layout.Params(
+            scale=scale[:, None].contiguous(), orig_dtype=compute_dtype, orig_shape=tuple(weight.shape),
+            is_weight=True, convrot=self.convrot, convrot_groupsize=CONVROT_GROUP,
+        )
+        return QuantizedTensor(codes.contiguous(), LAYOUT, params)
 
     def _quantize(self, weight, *, seed):
         return TensorWiseINT8Layout.quantize(

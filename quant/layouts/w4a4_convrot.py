@@ -30,6 +30,7 @@ from ...kernels.backend import capability
 from ...kernels.hadamard import rotate_blocks
 from ...kernels.reference import pack_int4_signed
 from ...kernels.w4_linear import w4a4_linear
+from ..gptq import GPTQConfig, check_hessian, gptq_round, row_grid
 from ..scale_search import mse_row_scales
 from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
@@ -52,7 +53,8 @@ class W4A4ConvRotCodec(KitchenKernelCodec):
     )
 
     def quantize(self, weight: torch.Tensor, *, compute_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 scales: str = "mse") -> QuantizedTensor:
+                 scales: str = "mse", hessian: torch.Tensor | None = None,
+                 gptq: GPTQConfig | None = None) -> QuantizedTensor:
         """Quantize a float ``[out, in]`` weight. ``scales``: how each row's scale is chosen, after the rotation:
 
         * ``"mse"`` (the default): the scale with the least squared rounding error over the row
@@ -61,16 +63,29 @@ class W4A4ConvRotCodec(KitchenKernelCodec):
           ``convrot_w4a4`` file;
         * ``"absmax"``: comfy-kitchen's own quantizer, bit for bit (``max|row| / 7``).
 
-        ``seed > 0`` (stochastic rounding) always takes kitchen's quantizer, with its abs-max scales."""
+        ``seed > 0`` (stochastic rounding) always takes kitchen's quantizer, with its abs-max scales.
+        ``hessian`` (``[K, K]``, ``sum x^T x`` over the layer's calibration inputs) keeps those scales and
+        chooses the codes by GPTQ (``quant/gptq.py``, ``gptq`` its settings) in the rotated basis."""
         if scales not in SCALE_CHOICES:
             raise ValueError(f"w4a4 scales must be one of {', '.join(SCALE_CHOICES)}, got {scales!r}")
-        if scales == "absmax" or seed:
+        if hessian is not None and seed:
+            raise ValueError(f"w4a4: GPTQ rounding (a hessian) and stochastic rounding (seed={seed}) exclude each "
+                             f"other; give one of them")
+        if hessian is None and (scales == "absmax" or seed):
             return super().quantize(weight, compute_dtype=compute_dtype, seed=seed)
         problem = self.spec.shape_problem(tuple(weight.shape))
         if problem:
             raise ValueError(problem)
         rotated = rotate_blocks(weight.float(), "regular", CONVROT_GROUP)
-        scale = mse_row_scales(rotated, INT4_MAX)
+        if scales == "mse":
+            scale = mse_row_scales(rotated, INT4_MAX)
+        else:  # kitchen's abs-max scales (quantize_signed_int4_rowwise)
+            scale = rotated.abs().amax(dim=1).clamp(min=1e-10) / INT4_MAX
+        if hessian is not None:
+            check_hessian(hessian, weight.shape[1])
+            h = hessian.to(device=rotated.device, dtype=torch.float32)
+            h = rotate_blocks(rotate_blocks(h, "regular", CONVROT_GROUP).T.contiguous(), "regular", CONVROT_GROUP)
+            rotated = gptq_round(rotated, h, row_grid(scale, -INT4_MAX, INT4_MAX), gptq or GPTQConfig())
         codes = torch.clamp(torch.round(rotated / scale[:, None]), -INT4_MAX, INT4_MAX).to(torch.int8)
         params = TensorCoreConvRotW4A4Layout.Params(
             scale=scale, orig_dtype=compute_dtype, orig_shape=tuple(weight.shape), convrot_groupsize=CONVROT_GROUP,
