@@ -183,6 +183,25 @@ def test_flux_error_breakdown_groups_partition_the_quantized_layers(tmp_path):
     assert 0 < report["bf16_vs_fp32"] < 0.05
 
 
+def test_gptq_diag_swaps_every_quantized_layer_and_changes_the_output(tmp_path):
+    """``diag_gptq_flux.py`` at the tiny size: the calibration forward saw every quantized layer (the modulation
+    linears one row per sample), the GPTQ models hold a rounded weight in every quantized layer (all but the
+    modulation's for ``gptq_but_mod``), and GPTQ's output differs from round-to-nearest's."""
+    out = tmp_path / "gptq.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(GPU_DIR / "diag_gptq_flux.py"), "--size", "tiny", "--device", "cpu",
+                           "--modes", "int8_convrot", "--calib", "3", "--sequential", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    _assert_finite(report, "gptq diag")
+    row = report["modes"]["int8_convrot"]
+    assert report["rows_per_layer"]["min"] == 3 and report["sequential"] is True
+    assert row["gptq_layers"] > row["gptq_but_mod_layers"] > 0
+    assert row["gptq"] != row["rtn"] and row["gptq_weights_only"] != row["rtn_weights_only"]
+    assert all(row[k] > 0 for k in ("rtn", "gptq", "gptq_but_mod", "rtn_weights_only", "gptq_weights_only"))
+
+
 def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp_path):
     """``bench_flux_step``: a ``+unfused`` mode is quantized with ``fuse_inputs=False`` (``+noreplay``: launch
     replays off; ``+floatmods``: modulation linears kept in bf16; ``+actmods``: a dispatcher without the few-row weight-only
