@@ -22,10 +22,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from comfy_kitchen.tensor import QuantizedTensor
 
 #: ``grid(values [N, b], columns [b]) -> [N, b]``: the grid point of each value (same shape, fp32);
 #: ``columns`` are the input-channel indices of the block (for per-group scales).
 Grid = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,15 @@ class GPTQConfig:
     inverse well conditioned when few rows were seen); ``block``: columns rounded between two updates
     of the rest of the weight (speed only: every block size gives the same result up to float
     rounding); ``act_order``: round the columns with the largest inputs first (``diag(H)`` descending),
-    which leaves the small ones to absorb the error."""
+    which leaves the small ones to absorb the error; ``backend``: how a block is rounded, ``"torch"`` (a loop
+    over its columns, any device), ``"triton"`` (one kernel a block, ``kernels/triton_gptq.py``, row grids
+    only; on the CPU it needs Triton's interpreter) or ``"auto"`` (Triton on a CUDA device for a row grid, else
+    torch): the same bits either way for blocks of at most 128 columns."""
 
     damp: float = 0.01
     block: int = 128
     act_order: bool = True
+    backend: str = "auto"
     version: int = 1
 
     def __post_init__(self):
@@ -46,6 +54,8 @@ class GPTQConfig:
             raise ValueError(f"GPTQConfig.damp must be in (0, 1], got {self.damp}")
         if self.block < 1:
             raise ValueError(f"GPTQConfig.block must be >= 1, got {self.block}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"GPTQConfig.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -96,11 +106,17 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, grid: Grid,
 
     Returns the rounded weight, fp32 ``[N, K]``: every value is ``grid``'s output for its column, so
     the format turns it into codes exactly. With ``H = I`` (and no act order) this is round-to-nearest.
+    ``config.backend`` says how each block of columns is rounded (the same bits either way).
     """
     if weight.dim() != 2:
         raise ValueError(f"gptq_round takes a [N, K] weight, found shape {list(weight.shape)}")
+    backend = config.backend
     n, k = weight.shape
     check_hessian(hessian, k)
+    use_triton = backend == "triton" or (backend == "auto" and weight.is_cuda and isinstance(grid, RowGrid)
+                                         and _triton_runs(weight.device))
+    if use_triton and not isinstance(grid, RowGrid):
+        raise ValueError("gptq_round's triton backend takes a row grid (row_grid / fp8_row_grid)")
     w = weight.float().clone()
     h = hessian.to(device=w.device)
     order = None
@@ -114,37 +130,134 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, grid: Grid,
     rounded = torch.empty_like(w)
     for start in range(0, k, config.block):
         stop = min(start + config.block, k)
-        block = w[:, start:stop].clone()
-        errors = torch.empty_like(block)
         u_block = u[start:stop, start:stop]
-        for i in range(stop - start):
-            q = grid(block[:, i:i + 1], columns[start + i:start + i + 1])[:, 0]
-            rounded[:, start + i] = q
-            err = (block[:, i] - q) / u_block[i, i]
-            block[:, i:] -= err[:, None] * u_block[i, i:][None, :]
-            errors[:, i] = err
+        if use_triton:
+            errors = torch.empty((n, stop - start), dtype=w.dtype, device=w.device)
+            for part in range(start, stop, _TRITON_WIDTH):  # the kernel rounds at most 128 columns at a time
+                end = min(part + _TRITON_WIDTH, stop)
+                rounded[:, part:end], errors[:, part - start:end - start] = _triton_block(
+                    w[:, part:end], u[part:end, part:end], grid)
+                w[:, end:stop] -= errors[:, part - start:end - start] @ u[part:end, end:stop]
+        else:
+            block = w[:, start:stop].clone()
+            errors = torch.empty_like(block)
+            for i in range(stop - start):
+                q = grid(block[:, i:i + 1], columns[start + i:start + i + 1])[:, 0]
+                rounded[:, start + i] = q
+                err = (block[:, i] - q) / u_block[i, i]
+                block[:, i:] -= err[:, None] * u_block[i, i:][None, :]
+                errors[:, i] = err
         w[:, stop:] -= errors @ u[start:stop, stop:]
     if order is not None:
         rounded = rounded[:, torch.argsort(order)]
     return rounded
 
 
-def row_grid(scale: torch.Tensor, lowest: float, highest: float) -> Grid:
+_TRITON_WIDTH = 128
+
+
+def _triton_runs(device: torch.device) -> bool:
+    from ..kernels.backend import triton_problem
+
+    return triton_problem(device) is None
+
+
+def _triton_block(block: torch.Tensor, u_block: torch.Tensor, grid: "RowGrid"):
+    from ..kernels.triton_gptq import gptq_block
+
+    return gptq_block(block, u_block, grid.scale, fp8=grid.fp8, lowest=grid.lowest, highest=grid.highest)
+
+
+@dataclass(frozen=True)
+class RowGrid:
+    """One scale per row (``scale``: fp32 ``[N]``) times integer codes ``[lowest, highest]``, or (``fp8``) times
+    e4m3 values (round to nearest even, saturated at 448). Called as a :data:`Grid`."""
+
+    scale: torch.Tensor
+    lowest: float = 0.0
+    highest: float = 0.0
+    fp8: bool = False
+
+    def __call__(self, values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        scale = self.scale.reshape(-1, 1)
+        if self.fp8:
+            limit = torch.finfo(torch.float8_e4m3fn).max
+            return torch.clamp(values / scale, -limit, limit).to(torch.float8_e4m3fn).float() * scale
+        return torch.clamp(torch.round(values / scale), self.lowest, self.highest) * scale
+
+
+def row_grid(scale: torch.Tensor, lowest: float, highest: float) -> RowGrid:
     """Integer codes ``[lowest, highest]`` times one ``scale`` per row (``[N]``): INT8 and signed-INT4 rows."""
-    scale = scale.float().reshape(-1, 1)
-
-    def grid(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(torch.round(values / scale), lowest, highest) * scale
-
-    return grid
+    return RowGrid(scale.float().reshape(-1), float(lowest), float(highest))
 
 
-def fp8_row_grid(scale: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> Grid:
-    """FP8 values (round to nearest even, saturated) times one ``scale`` per row (``[N]``)."""
-    scale = scale.float().reshape(-1, 1)
-    limit = torch.finfo(dtype).max
+def fp8_row_grid(scale: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> RowGrid:
+    """e4m3 values (round to nearest even, saturated) times one ``scale`` per row (``[N]``)."""
+    if dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_row_grid takes float8_e4m3fn, got {dtype}")
+    return RowGrid(scale.float().reshape(-1), fp8=True)
 
-    def grid(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(values / scale, -limit, limit).to(dtype).float() * scale
 
-    return grid
+class HessianRecorder:
+    """``H = sum x^T x`` of the named modules' inputs, accumulated by forward pre-hooks while a ``with`` block
+    runs the model (fp32, on ``device``, or on each input's own device when ``None``).
+
+    ``hessian(name)`` is the layer's matrix and ``rows(name)`` how many input rows went into it. Only the
+    modules given are hooked, so a caller bounds the memory (``K * K * 4`` bytes a layer) by recording the
+    layers in groups (:func:`hessian_groups`) over replays of the same calls."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], device: torch.device | str | None = None):
+        self._modules = dict(modules)
+        self._device = device
+        self._hessians: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, int] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "HessianRecorder":
+        for name, module in self._modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._hook(name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, name: str):
+        def hook(module, inputs):
+            x = inputs[0]
+            if isinstance(x, QuantizedTensor):
+                x = x.dequantize()
+            x = x.detach().reshape(-1, x.shape[-1])
+            if self._device is not None:
+                x = x.to(self._device)
+            x = x.float()
+            h = self._hessians.get(name)
+            if h is None:
+                self._hessians[name] = x.T @ x
+            else:
+                h.addmm_(x.T, x)
+            self._rows[name] = self._rows.get(name, 0) + x.shape[0]
+        return hook
+
+    def hessian(self, name: str) -> torch.Tensor | None:
+        """The layer's ``sum x^T x``, or ``None`` when it never ran."""
+        return self._hessians.get(name)
+
+    def rows(self, name: str) -> int:
+        return self._rows.get(name, 0)
+
+
+def hessian_groups(features: dict[str, int], budget_bytes: int) -> list[list[str]]:
+    """The layers (``{name: input features}``, in order) in consecutive groups whose fp32 Hessians together take
+    at most ``budget_bytes`` (a layer larger than the budget alone is a group of its own)."""
+    groups: list[list[str]] = []
+    used = budget_bytes + 1
+    for name, k in features.items():
+        size = k * k * 4
+        if used + size > budget_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups

@@ -39,6 +39,24 @@ def check_finite(name: str, weight: torch.Tensor) -> None:
 QuantizeOptions = Callable[[str, str], Mapping[str, object]]
 
 
+def format_options(fmt: str) -> frozenset[str]:
+    """The per-layer keyword options format ``fmt``'s ``codec.quantize`` takes (``hessian``: GPTQ rounding,
+    ``outlier_channels``, ``scales``, ...), beside ``compute_dtype`` and ``seed``."""
+    parameters = inspect.signature(get_format(fmt).quantize).parameters
+    return frozenset(p for p, info in parameters.items()
+                     if info.kind is inspect.Parameter.KEYWORD_ONLY and p not in ("compute_dtype", "seed"))
+
+
+def gptq_problem(formats) -> str | None:
+    """Why GPTQ rounding cannot help a plan quantizing to ``formats`` (none of them takes a ``hessian``), else None."""
+    formats = sorted(set(formats))
+    if not formats or any("hessian" in format_options(f) for f in formats):
+        return None
+    return (f"none of the formats this mode quantizes to ({', '.join(formats)}) takes GPTQ rounding; pick a mode of "
+            f"int8, int8_convrot, fp8_rowwise or w4a4 layers (or int4_mixed), or round to nearest (Quantize Model, "
+            f"'lowbit quantize')")
+
+
 def check_quantize_options(name: str, fmt: str, options: Mapping[str, object]) -> dict[str, object]:
     """``options`` as a dict, after checking that format ``fmt``'s codec takes each of them.
 
