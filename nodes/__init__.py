@@ -24,6 +24,7 @@ NODE_MODULES: dict[str, tuple[str, ...]] = {
     "lora_nodes": ("LowBitLoraStackEntry", "LowBitApplyLoraStack", "LowBitLoadLora", "LowBitLoadLoraStack"),
     "compile": ("LowBitCompileQuantizedModel",),
     "calibrate": ("LowBitCalibratePolicy", "LowBitApplyPolicy"),
+    "gptq": ("LowBitGPTQQuantizeModel",),
     "attention": ("LowBitAttentionBackend",),
     "kernel_tuner": ("LowBitKernelTuner",),
 }

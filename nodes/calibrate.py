@@ -26,9 +26,10 @@ uses ``calibrate_model``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Callable
 
 import torch
@@ -121,13 +122,15 @@ class _ModelOutputProbe:
         return probe
 
 
-def default_conditioning(model_patcher, *, seed: int = 0, tokens: int = DEFAULT_TOKENS):
-    """A seeded unit-variance stand-in text embedding of the model's context width (no text encoder runs)."""
+def default_conditioning(model_patcher, *, seed: int = 0, tokens: int = DEFAULT_TOKENS,
+                         node: str = "Calibrate Policy"):
+    """A seeded unit-variance stand-in text embedding of the model's context width (no text encoder runs);
+    ``node`` names the node in the error raised when the width is unknown."""
     config = getattr(getattr(model_patcher.model, "model_config", None), "unet_config", {}) or {}
     width = next((config[k] for k in CONTEXT_WIDTH_KEYS if isinstance(config.get(k), int)), None)
     if width is None:
         raise NodeInputError(
-            f"Calibrate Policy: cannot tell the text-embedding width of this {type(model_patcher.model).__name__} "
+            f"{node}: cannot tell the text-embedding width of this {type(model_patcher.model).__name__} "
             f"model (none of {', '.join(CONTEXT_WIDTH_KEYS)} in its config). Connect a CONDITIONING, e.g. from "
             f"CLIP Text Encode of a typical prompt.")
     gen = torch.Generator().manual_seed(seed)
@@ -143,6 +146,30 @@ def default_latent(model_patcher, resolution: int = DEFAULT_RESOLUTION) -> dict:
     ratio = getattr(latent_format, "spacial_downscale_ratio", 8)
     side = max(1, resolution // ratio)
     return {"samples": torch.zeros(1, latent_format.latent_channels, side, side)}
+
+
+@contextlib.contextmanager
+def recorded_calls(diffusion_model: torch.nn.Module) -> Iterator[list[tuple[tuple, dict]]]:
+    """The ``(args, kwargs)`` of every call of ``diffusion_model`` inside the ``with`` block, for replays."""
+    calls: list[tuple[tuple, dict]] = []
+    handle = diffusion_model.register_forward_pre_hook(lambda _m, args, kwargs: calls.append((args, kwargs)),
+                                                       with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def sample_for_calibration(model_patcher, positive, latent: dict, steps: int, seed: int, *, stand_in: bool,
+                           node: str) -> None:
+    """:func:`run_denoising`; on the stand-in conditioning a failure says to connect the model's own."""
+    try:
+        run_denoising(model_patcher, positive, latent, steps, seed)
+    except (RuntimeError, ValueError, KeyError, TypeError) as err:
+        if not stand_in:
+            raise
+        raise NodeInputError(f"{node}: the model did not run on the stand-in conditioning ({err}); connect a "
+                             f"CONDITIONING from this model's text encoder") from err
 
 
 def run_denoising(model_patcher, positive, latent: dict, steps: int, seed: int) -> None:
@@ -194,19 +221,10 @@ def calibrate_model(model_patcher, config: CalibrationConfig, *, preset: str = A
     latent = latent if latent is not None else default_latent(model_patcher, resolution)
     log.info("LowBit: calibrating %d layers on %d denoising steps (%s conditioning)", len(names), steps,
              "stand-in" if stand_in else "the connected")
-    calls: list[tuple[tuple, dict]] = []
-    record_call = dm.register_forward_pre_hook(lambda _m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
-    try:
-        with record_linear_inputs(modules, max_rows=config.rows_per_layer, seed=config.seed) as samplers:
-            try:
-                run_denoising(model_patcher, positive, latent, steps, config.seed)
-            except (RuntimeError, ValueError, KeyError, TypeError) as err:
-                if not stand_in:
-                    raise
-                raise NodeInputError(f"Calibrate Policy: the model did not run on the stand-in conditioning ({err}); "
-                                     f"connect a CONDITIONING from this model's text encoder") from err
-    finally:
-        record_call.remove()
+    with recorded_calls(dm) as calls, record_linear_inputs(modules, max_rows=config.rows_per_layer,
+                                                          seed=config.seed) as samplers:
+        sample_for_calibration(model_patcher, positive, latent, steps, config.seed, stand_in=stand_in,
+                               node="Calibrate Policy")
     samples = {name: s.sample() for name, s in samplers.items() if s.calls}
     skipped = [name for name in names if name not in samples]
     if skipped:

@@ -140,6 +140,7 @@ class LowBitModelInfo:
     ops: dict = field(default_factory=dict)
     baked_patches: int = 0
     calibration: CalibrationRecord | None = None  # set by Quantize with Policy from a calibrated policy
+    gptq: dict | None = None  # set by GPTQ Quantize Model: how its layers were rounded (``lowbit_gptq`` in a file)
 
 
 # ---- queries ------------------------------------------------------------------------------------
@@ -284,6 +285,7 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
                       requantize: bool = False, bake_patches: bool = False,
                       pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
                       outlier_channels: Mapping[str, torch.Tensor] | None = None,
+                      prequantized: Mapping[str, QuantizedTensor] | None = None,
                       progress: Callable[[int, int], None] | None = None) -> Plan:
     """Quantize the Linears of ``model_patcher``'s own model as the plan says (the caller owns the model).
 
@@ -295,14 +297,19 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
     ``outlier_channels``: ``{layer: int32 [r] channels}`` for ``fp8_rowwise`` layers (calibrated, see
     ``quant/calibration_outliers.py``): those layers are quantized with them (weight ``[N, K + 2r]``);
     a layer the plan does not quantize as ``fp8_rowwise`` raises a :class:`LowBitError`. Every layer also
-    gets the policy's options for its format (:meth:`Policy.codec_options`). Returns the plan used.
+    gets the policy's options for its format (:meth:`Policy.codec_options`). ``prequantized``: ``{layer:
+    QuantizedTensor}`` made already from this model's weights with its patches baked (GPTQ, ``nodes/gptq.py``):
+    those layers take them as they are, in the plan's format (checked), instead of being quantized here.
+    Returns the plan used.
     """
     pre_quant_scales = dict(pre_quant_scales or {})
+    prequantized = dict(prequantized or {})
     plan = plan or plan_for(model_patcher, policy, requantize=requantize)
     if not plan.quantized:
         raise _nothing_to_quantize(model_patcher, plan)
     outlier_channels = dict(outlier_channels or {})
     _check_outlier_layers(plan, outlier_channels)
+    _check_prequantized(plan, prequantized, set(pre_quant_scales) | set(outlier_channels))
     dm = model_patcher.model.diffusion_model
     device = model_patcher.load_device
     compute_dtype = config.compute_dtype or model_compute_dtype(model_patcher.model)
@@ -313,6 +320,13 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
         module = dm.get_submodule(decision.name)
         stored = module._parameters["weight"]
         home = stored.device
+        ready = prequantized.get(decision.name)
+        if ready is not None:
+            module.__class__ = lowbit_linear_class(type(module), classes)
+            mark_quantized(module, get_format(decision.format), ready.to(device=home), config)
+            if progress is not None:
+                progress(done, total)
+            continue
         if isinstance(stored, QuantizedTensor):
             weight = stored.to(device=device, dtype=torch.float32).dequantize()  # dequantized in fp32
             old_scale = module._parameters.get(PRE_QUANT_SCALE)
@@ -344,6 +358,28 @@ def quantize_in_place(model_patcher, policy: Policy, config: LowBitOpsConfig, *,
     return plan
 
 
+def _check_prequantized(plan: Plan, prequantized: Mapping[str, QuantizedTensor], other: set[str]) -> None:
+    """Every prequantized layer must be one the plan quantizes, in that format's layout and shape, and take no
+    pre_quant_scale or outlier channels besides (checked before any weight is touched)."""
+    planned = {d.name: d for d in plan.quantized}
+    for name, qt in prequantized.items():
+        decision = planned.get(name)
+        if decision is None:
+            raise LowBitError(f"a quantized weight was given for {name!r}, a layer the plan does not quantize; give "
+                              f"only the plan's layers (names relative to the diffusion model)")
+        codec = get_format(decision.format)
+        if not isinstance(qt, QuantizedTensor) or qt._layout_cls != codec.spec.layout:
+            found = qt._layout_cls if isinstance(qt, QuantizedTensor) else type(qt).__name__
+            raise LowBitError(f"layer {name!r}: the quantized weight given is {found}, but the plan quantizes the "
+                              f"layer as {decision.format} ({codec.spec.layout}); quantize it with the plan's format")
+        if tuple(qt.shape) != tuple(decision.shape):
+            raise LowBitError(f"layer {name!r}: the quantized weight given is {list(qt.shape)}, the layer's weight "
+                              f"{list(decision.shape)}; it belongs to another model")
+        if name in other:
+            raise LowBitError(f"layer {name!r} was given a quantized weight and a pre_quant_scale or outlier "
+                              f"channels; a prequantized weight carries what it was made with, give one of them")
+
+
 def _check_outlier_layers(plan: Plan, outlier_channels: Mapping[str, torch.Tensor]) -> None:
     """Every layer given outlier channels must be one the plan quantizes in a format that takes them
     (checked before any weight is touched)."""
@@ -361,18 +397,21 @@ def _check_outlier_layers(plan: Plan, outlier_channels: Mapping[str, torch.Tenso
 def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype | None = None,
                    progress: Callable[[int, int], None] | None = None, backend: str = "auto",
                    pre_quant_scales: Mapping[str, torch.Tensor] | None = None,
-                   outlier_channels: Mapping[str, torch.Tensor] | None = None, fuse_inputs: bool = True):
+                   outlier_channels: Mapping[str, torch.Tensor] | None = None, fuse_inputs: bool = True,
+                   prequantized: Mapping[str, QuantizedTensor] | None = None):
     """A quantized copy of ``model_patcher`` (see the module docstring); the input is not changed.
 
     ``pre_quant_scales``: layers stored smoothed with a ``pre_quant_scale``; ``outlier_channels``:
-    ``fp8_rowwise`` layers quantized with their calibrated outlier channels (both as
-    :func:`quantize_in_place`). ``fuse_inputs``: ``LowBitOpsConfig.fuse_inputs`` (the norms, GELUs and SwiGLUs
-    feeding quantized linears computed inside their activation quantization)."""
+    ``fp8_rowwise`` layers quantized with their calibrated outlier channels; ``prequantized``: layers whose
+    quantized weight was made already (GPTQ) (all as :func:`quantize_in_place`). ``fuse_inputs``:
+    ``LowBitOpsConfig.fuse_inputs`` (the norms, GELUs and SwiGLUs feeding quantized linears computed inside their
+    activation quantization)."""
     diffusion_model_of(model_patcher)
     plan = plan_for(model_patcher, policy)
     if not plan.quantized:
         raise _nothing_to_quantize(model_patcher, plan)
     _check_outlier_layers(plan, outlier_channels or {})
+    _check_prequantized(plan, prequantized or {}, set(pre_quant_scales or {}) | set(outlier_channels or {}))
     ensure_unpatched(model_patcher, offloaded=True)
     source = model_patcher.model
     config = LowBitOpsConfig(compute_dtype=compute_dtype or model_compute_dtype(source), backend=backend,
@@ -382,13 +421,13 @@ def quantize_model(model_patcher, policy: Policy, *, compute_dtype: torch.dtype 
     patched = model_patcher.clone(model_override=(new_model, ({}, {}, {}, set())))
     patched.patches = {k: list(v) for k, v in model_patcher.patches.items()}  # read by quantize_in_place only
     quantize_in_place(patched, policy, config, plan=plan, bake_patches=True, pre_quant_scales=pre_quant_scales,
-                      outlier_channels=outlier_channels, progress=progress)
+                      outlier_channels=outlier_channels, prequantized=prequantized, progress=progress)
     baked = _bake_remaining_patches(model_patcher, new_model, plan)
     _finish_copy(patched, model_patcher)
     new_model.lowbit_info = LowBitModelInfo(source="quantized in memory", plan=plan, policy=policy.to_dict(),
                                             ops=config.to_dict(), baked_patches=baked)
     patched.cached_patcher_init = _reload_recipe(model_patcher, policy, compute_dtype, backend, pre_quant_scales,
-                                                 outlier_channels, fuse_inputs)
+                                                 outlier_channels, fuse_inputs, prequantized)
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(plan.counts().items()))
     log.info("LowBit: quantized %s in memory (mode=%s, preset=%s; %s; %d LoRA/weight patches baked)",
              type(source).__name__, plan.mode, plan.preset, counts, baked)
@@ -422,19 +461,20 @@ def _finish_copy(patched, source_patcher) -> None:
 
 
 def _reload_recipe(model_patcher, policy: Policy, compute_dtype, backend: str, pre_quant_scales=None,
-                   outlier_channels=None, fuse_inputs: bool = True):
-    """``cached_patcher_init`` for the quantized patcher: rebuild the source, re-apply patches, quantize."""
+                   outlier_channels=None, fuse_inputs: bool = True, prequantized=None):
+    """``cached_patcher_init`` for the quantized patcher: rebuild the source, re-apply patches, quantize (the
+    ``prequantized`` weights, kept by the recipe, as they are: a GPTQ rounding is not made again)."""
     source_init = getattr(model_patcher, "cached_patcher_init", None)
     if source_init is None:
         return None
     patches = {k: list(v) for k, v in model_patcher.patches.items()}
     return (reload_quantized, (source_init, policy, compute_dtype, backend, patches, dict(pre_quant_scales or {}),
-                               dict(outlier_channels or {}), fuse_inputs))
+                               dict(outlier_channels or {}), fuse_inputs, dict(prequantized or {})))
 
 
 def reload_quantized(source_init, policy: Policy, compute_dtype, backend: str, patches: dict,
                      pre_quant_scales: dict | None = None, outlier_channels: dict | None = None,
-                     fuse_inputs: bool = True, disable_dynamic: bool = False):
+                     fuse_inputs: bool = True, prequantized: dict | None = None, disable_dynamic: bool = False):
     """Rebuild a model :func:`quantize_model` made (ComfyUI's ``cached_patcher_init`` protocol)."""
     kwargs = {"disable_dynamic": True} if disable_dynamic else {}
     source = source_init[0](*source_init[1], **kwargs)
@@ -445,7 +485,8 @@ def reload_quantized(source_init, policy: Policy, compute_dtype, backend: str, p
         source.patches = {k: list(v) for k, v in patches.items()}
         source.patches_uuid = uuid.uuid4()
     return quantize_model(source, policy, compute_dtype=compute_dtype, backend=backend,
-                          pre_quant_scales=pre_quant_scales, outlier_channels=outlier_channels, fuse_inputs=fuse_inputs)
+                          pre_quant_scales=pre_quant_scales, outlier_channels=outlier_channels, fuse_inputs=fuse_inputs,
+                          prequantized=prequantized)
 
 
 # ---- copying a model without copying its weights ------------------------------------------------

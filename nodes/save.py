@@ -70,11 +70,15 @@ def check_savable(model) -> None:
         )
 
 
+LOWBIT_GPTQ_KEY = "lowbit_gptq"
+
+
 def checkpoint_metadata(model, workflow: dict[str, str] | None) -> dict[str, str] | None:
     """The header metadata of a saved model: the workflow's (unless disabled) plus, for a model LowBit
     quantized, its version, policy and plan (what the file holds, so kept even with --disable-metadata),
-    and for a model quantized under a calibrated policy the ``lowbit_calibration`` summary the CLI's
-    ``quantize --policy`` writes (``CalibrationResult.metadata_summary``, JSON with sorted keys)."""
+    for a model quantized under a calibrated policy the ``lowbit_calibration`` summary the CLI's
+    ``quantize --policy`` writes (``CalibrationResult.metadata_summary``, JSON with sorted keys), and for a
+    model GPTQ Quantize Model rounded, ``lowbit_gptq`` (its settings and how many layers it rounded)."""
     from ..quant.calibration_apply import LOWBIT_CALIBRATION_KEY
     from ..quant.checkpoint import lowbit_metadata
     from ..quant.policy import Policy
@@ -86,6 +90,8 @@ def checkpoint_metadata(model, workflow: dict[str, str] | None) -> dict[str, str
     metadata = lowbit_metadata(workflow or {}, Policy.from_dict(info.policy), info.plan)
     if info.calibration is not None:
         metadata[LOWBIT_CALIBRATION_KEY] = json.dumps(info.calibration.summary, sort_keys=True)
+    if info.gptq is not None:
+        metadata[LOWBIT_GPTQ_KEY] = json.dumps(info.gptq, sort_keys=True)
     return metadata
 
 
