@@ -331,21 +331,21 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def comfyui_path(given: str | None) -> Path:
+def comfyui_path(given: str | None, command: str = "calibrate") -> Path:
     """Where ComfyUI is: ``--comfyui``, else ``$COMFYUI_PATH``, else ``~/ComfyUI``."""
     import os
 
     path = Path(given or os.environ.get("COMFYUI_PATH") or Path("~/ComfyUI").expanduser()).expanduser()
     if not (path / "comfy" / "sd.py").is_file():
-        raise LowBitError(f"calibrate runs the model with ComfyUI, which was not found at {path}; pass "
+        raise LowBitError(f"{command} runs the model with ComfyUI, which was not found at {path}; pass "
                           f"--comfyui PATH (a ComfyUI checkout) or set COMFYUI_PATH")
     return path
 
 
-def import_comfyui(path: Path, device: str) -> None:
+def import_comfyui(path: Path, device: str, command: str = "calibrate") -> None:
     """Make ComfyUI importable in this process, on ``device`` (``cpu`` or ``cuda``)."""
     if device not in ("cpu", "cuda"):
-        raise LowBitError(f"calibrate --device takes auto, cpu or cuda (ComfyUI picks the GPU), got {device!r}")
+        raise LowBitError(f"{command} --device takes auto, cpu or cuda (ComfyUI picks the GPU), got {device!r}")
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
     import comfy.cli_args
@@ -390,6 +390,54 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     result.save(out, overwrite=args.overwrite)
     print(result.table() if args.layers else result.summary())
     log.info("wrote the policy to %s; quantize with: %s quantize %s OUT.safetensors --policy %s", out, PROG, src, out)
+    return 0
+
+
+def cmd_gptq(args: argparse.Namespace) -> int:
+    from .quant.checkpoint import open_checkpoint
+    from .quant.gptq import GPTQConfig
+    from .quant.policy import Policy
+    from .quant.quantize import gptq_problem
+    from .quant.safetensors_file import check_output_path
+
+    src, out = Path(args.file), Path(args.out)
+    if not src.is_file():
+        raise FileNotFoundError(f"input checkpoint not found: {src}" if not src.exists()
+                                else f"input {src} is not a file; pass a .safetensors checkpoint")
+    check_output_path(out, overwrite=args.overwrite, protect=(src,))
+    if args.steps < 1:
+        raise LowBitError(f"--steps must be at least 1, got {args.steps}")
+    if not args.hessian_budget_gb > 0:
+        raise LowBitError(f"--hessian-budget-gb must be positive, got {args.hessian_budget_gb}")
+    try:
+        config = GPTQConfig(damp=args.damp)
+    except ValueError as err:
+        raise LowBitError(f"--damp: {err}") from None
+    ratio = {} if args.ratio is None else {"int4_mixed_ratio": args.ratio}
+    scales = {} if args.w4a4_scales is None else {"w4a4_scales": args.w4a4_scales}
+    policy = Policy(mode=args.mode, preset=args.preset, extra_keep_float=tuple(args.keep_float), **ratio, **scales)
+    with open_checkpoint(src) as reader:  # refuse a plan GPTQ cannot round before loading the model
+        problem = gptq_problem(d.format for d in policy.plan(reader.shapes()).quantized)
+    if problem:
+        raise LowBitError(f"gptq: {problem}")
+    device = resolve_device(args.device)
+    import_comfyui(comfyui_path(args.comfyui, "gptq"), device, "gptq")
+    import comfy.sd
+
+    from .nodes.gptq import gptq_quantize_model
+    from .nodes.model_quant import native_state_dict
+    from .nodes.save import checkpoint_metadata
+    from .quant.checkpoint import save_checkpoint
+
+    log.info("loading %s with ComfyUI (%s)", src, device)
+    model = comfy.sd.load_diffusion_model(str(src))
+    with progress_bar(args, "GPTQ rounding", "layer") as progress:
+        result = gptq_quantize_model(model, policy, steps=args.steps, resolution=args.resolution, seed=args.seed,
+                                     gptq=config, hessian_budget_bytes=int(args.hessian_budget_gb * 2**30),
+                                     progress=progress)
+    save_checkpoint(native_state_dict(result), out, metadata=checkpoint_metadata(result, None),
+                    overwrite=args.overwrite, protect=(src,))
+    print(summary_table(out))
     return 0
 
 
@@ -604,6 +652,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layers", action="store_true", help="print the per-layer report, not only the summary")
     c.add_argument("--overwrite", action="store_true", help="replace POLICY_OUT if it exists")
     c.set_defaults(func=cmd_calibrate)
+
+    g = sub.add_parser(
+        "gptq", parents=[common], help="quantize with GPTQ rounding, calibrated on a few real denoising steps",
+        usage=f"{PROG} gptq IN OUT --mode MODE [options]",
+        description="Load the float checkpoint IN with ComfyUI, run a few real denoising steps on a stand-in text "
+                    "embedding, and quantize it to OUT with each layer's codes chosen by GPTQ against its recorded "
+                    "inputs (the int8, int8_convrot, fp8_rowwise and w4a4 layers; other formats round to nearest). "
+                    "OUT is an ordinary file of those formats. Needs ComfyUI (--comfyui, $COMFYUI_PATH or "
+                    "~/ComfyUI). For your own prompts, use the GPTQ Quantize Model (LowBit) node.")
+    g.add_argument("file", metavar="IN", help="a float .safetensors diffusion model")
+    g.add_argument("out", metavar="OUT", help="where to write the quantized checkpoint (.safetensors)")
+    g.add_argument("--mode", required=True, choices=modes, metavar="MODE", help="one of: %(choices)s")
+    g.add_argument("--preset", default="auto", choices=presets, metavar="PRESET",
+                   help="architecture preset, one of: %(choices)s (default: auto)")
+    g.add_argument("--ratio", type=float, default=None, metavar="R",
+                   help="int4_mixed only: share of quantized parameters kept in INT8 (0..1, default 0.2)")
+    g.add_argument("--keep-float", action="extend", nargs="+", default=[], metavar="REGEX",
+                   help="extra layer-name regular expressions to keep in float (added to the preset's)")
+    g.add_argument("--w4a4-scales", choices=_LazyNames(_w4a4_scale_choices), default=None, metavar="SCALES",
+                   help="how w4a4 weights' row scales are chosen, one of: %(choices)s (default mse)")
+    g.add_argument("--steps", type=int, default=4, help="denoising steps to record (default %(default)s)")
+    g.add_argument("--resolution", type=int, default=512, metavar="PX",
+                   help="side of the square calibration image in pixels (default %(default)s)")
+    g.add_argument("--damp", type=float, default=0.01,
+                   help="added to each layer's Hessian diagonal, as a share of its mean (default %(default)s)")
+    g.add_argument("--hessian-budget-gb", type=float, default=4.0, metavar="GB",
+                   help="memory the layers' Hessians may take at once; the steps are replayed per group that fits "
+                        "(default %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the noise and the stand-in embedding")
+    g.add_argument("--device", default="auto", help="where the model runs: auto, cpu or cuda")
+    g.add_argument("--comfyui", metavar="PATH", help="ComfyUI checkout (default: $COMFYUI_PATH, else ~/ComfyUI)")
+    g.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    g.set_defaults(func=cmd_gptq)
 
     i = sub.add_parser(
         "inspect", parents=[common], help="show the formats, layer counts and sizes of a checkpoint",
