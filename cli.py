@@ -362,28 +362,54 @@ def import_comfyui(path: Path, device: str, command: str = "calibrate") -> None:
             logging.disable(logging.NOTSET)
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
-
-    from .quant.calibrate import CalibrationConfig
+def checked_paths(src: str, out: str, overwrite: bool) -> tuple[Path, Path]:
+    """``src`` (an existing file) and ``out`` (free, or ``overwrite``; never ``src``) as paths."""
     from .quant.safetensors_file import check_output_path
 
-    src, out = Path(args.file), Path(args.policy_out)
+    src, out = Path(src), Path(out)
     if not src.is_file():
         raise FileNotFoundError(f"input checkpoint not found: {src}" if not src.exists()
                                 else f"input {src} is not a file; pass a .safetensors checkpoint")
-    check_output_path(out, overwrite=args.overwrite, protect=(src,))
+    check_output_path(out, overwrite=overwrite, protect=(src,))
+    return src, out
+
+
+def load_with_comfyui(src: Path, args: argparse.Namespace, command: str):
+    """The diffusion model in ``src``, loaded by ComfyUI (``--comfyui``) on ``--device``."""
+    device = resolve_device(args.device)
+    import_comfyui(comfyui_path(args.comfyui, command), device, command)
+    import comfy.sd
+
+    log.info("loading %s with ComfyUI (%s)", src, device)
+    return comfy.sd.load_diffusion_model(str(src))
+
+
+def add_policy_options(parser: argparse.ArgumentParser, presets) -> None:
+    """``--preset``, ``--ratio``, ``--keep-float`` and ``--w4a4-scales``: what a policy takes besides its mode."""
+    parser.add_argument("--preset", default=None, choices=presets, metavar="PRESET",
+                        help="architecture preset, one of: %(choices)s (default: auto = detect from the layer names)")
+    parser.add_argument("--ratio", type=float, default=None, metavar="R",
+                        help="int4_mixed only: share of quantized parameters kept in INT8 (0..1, default 0.2)")
+    parser.add_argument("--keep-float", action="extend", nargs="+", default=[], metavar="REGEX",
+                        help="extra layer-name regular expressions to keep in float (added to the preset's)")
+    parser.add_argument("--w4a4-scales", choices=_LazyNames(_w4a4_scale_choices), default=None, metavar="SCALES",
+                        help="how w4a4 weights' row scales are chosen, one of: %(choices)s. mse (the default): "
+                             "searched per row, less error; absmax: comfy-kitchen's quantizer, bit for bit")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+
+    from .quant.calibrate import CalibrationConfig
+
+    src, out = checked_paths(args.file, args.policy_out, args.overwrite)
     config = CalibrationConfig(budget=args.budget, candidates=args.candidates, smoothing=args.smoothing,
                                rows_per_layer=args.rows, seed=args.seed)
     if args.steps < 1:
         raise LowBitError(f"--steps must be at least 1, got {args.steps}")
-    device = resolve_device(args.device)
-    import_comfyui(comfyui_path(args.comfyui), device)
-    import comfy.sd
+    model = load_with_comfyui(src, args, "calibrate")
 
     from .nodes.calibrate import calibrate_model
 
-    log.info("loading %s with ComfyUI (%s)", src, device)
-    model = comfy.sd.load_diffusion_model(str(src))
     with progress_bar(args, "measuring", "layer") as progress:
         result = calibrate_model(model, config, preset=args.preset, steps=args.steps, resolution=args.resolution,
                                  objective=args.objective, progress=progress)
@@ -398,13 +424,8 @@ def cmd_gptq(args: argparse.Namespace) -> int:
     from .quant.gptq import GPTQConfig
     from .quant.policy import Policy
     from .quant.quantize import gptq_problem
-    from .quant.safetensors_file import check_output_path
 
-    src, out = Path(args.file), Path(args.out)
-    if not src.is_file():
-        raise FileNotFoundError(f"input checkpoint not found: {src}" if not src.exists()
-                                else f"input {src} is not a file; pass a .safetensors checkpoint")
-    check_output_path(out, overwrite=args.overwrite, protect=(src,))
+    src, out = checked_paths(args.file, args.out, args.overwrite)
     if args.steps < 1:
         raise LowBitError(f"--steps must be at least 1, got {args.steps}")
     if not args.hessian_budget_gb > 0:
@@ -415,22 +436,19 @@ def cmd_gptq(args: argparse.Namespace) -> int:
         raise LowBitError(f"--damp: {err}") from None
     ratio = {} if args.ratio is None else {"int4_mixed_ratio": args.ratio}
     scales = {} if args.w4a4_scales is None else {"w4a4_scales": args.w4a4_scales}
-    policy = Policy(mode=args.mode, preset=args.preset, extra_keep_float=tuple(args.keep_float), **ratio, **scales)
+    policy = Policy(mode=args.mode, preset=args.preset or "auto", extra_keep_float=tuple(args.keep_float), **ratio,
+                    **scales)
     with open_checkpoint(src) as reader:  # refuse a plan GPTQ cannot round before loading the model
         problem = gptq_problem(d.format for d in policy.plan(reader.shapes()).quantized)
     if problem:
         raise LowBitError(f"gptq: {problem}")
-    device = resolve_device(args.device)
-    import_comfyui(comfyui_path(args.comfyui, "gptq"), device, "gptq")
-    import comfy.sd
+    model = load_with_comfyui(src, args, "gptq")
 
     from .nodes.gptq import gptq_quantize_model
     from .nodes.model_quant import native_state_dict
     from .nodes.save import checkpoint_metadata
     from .quant.checkpoint import save_checkpoint
 
-    log.info("loading %s with ComfyUI (%s)", src, device)
-    model = comfy.sd.load_diffusion_model(str(src))
     with progress_bar(args, "GPTQ rounding", "layer") as progress:
         result = gptq_quantize_model(model, policy, steps=args.steps, resolution=args.resolution, seed=args.seed,
                                      gptq=config, hessian_budget_bytes=int(args.hessian_budget_gb * 2**30),
@@ -598,15 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--ratio/--keep-float; a calibrated one also gives FP8 layers their static input_scale, "
                         "smoothed layers their pre_quant_scale (the weight stored smoothed) and fp8_rowwise layers "
                         "their outlier channels")
-    q.add_argument("--preset", default=None, choices=presets, metavar="PRESET",
-                   help="architecture preset, one of: %(choices)s (default: auto = detect from the layer names)")
-    q.add_argument("--ratio", type=float, default=None, metavar="R",
-                   help="int4_mixed only: share of quantized parameters kept in INT8 (0..1, default 0.2)")
-    q.add_argument("--keep-float", action="extend", nargs="+", default=[], metavar="REGEX",
-                   help="extra layer-name regular expressions to keep in float (added to the preset's)")
-    q.add_argument("--w4a4-scales", choices=_LazyNames(_w4a4_scale_choices), default=None, metavar="SCALES",
-                   help="how w4a4 weights' row scales are chosen, one of: %(choices)s. mse (the default): searched per "
-                        "row, less error; absmax: comfy-kitchen's quantizer, bit for bit")
+    add_policy_options(q, presets)
     q.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
                    help="compute dtype handed to the format codecs (default bf16); today's formats store the same "
                         "bytes for every dtype, the run dtype is chosen when the model is loaded")
@@ -664,14 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("file", metavar="IN", help="a float .safetensors diffusion model")
     g.add_argument("out", metavar="OUT", help="where to write the quantized checkpoint (.safetensors)")
     g.add_argument("--mode", required=True, choices=modes, metavar="MODE", help="one of: %(choices)s")
-    g.add_argument("--preset", default="auto", choices=presets, metavar="PRESET",
-                   help="architecture preset, one of: %(choices)s (default: auto)")
-    g.add_argument("--ratio", type=float, default=None, metavar="R",
-                   help="int4_mixed only: share of quantized parameters kept in INT8 (0..1, default 0.2)")
-    g.add_argument("--keep-float", action="extend", nargs="+", default=[], metavar="REGEX",
-                   help="extra layer-name regular expressions to keep in float (added to the preset's)")
-    g.add_argument("--w4a4-scales", choices=_LazyNames(_w4a4_scale_choices), default=None, metavar="SCALES",
-                   help="how w4a4 weights' row scales are chosen, one of: %(choices)s (default mse)")
+    add_policy_options(g, presets)
     g.add_argument("--steps", type=int, default=4, help="denoising steps to record (default %(default)s)")
     g.add_argument("--resolution", type=int, default=512, metavar="PX",
                    help="side of the square calibration image in pixels (default %(default)s)")
