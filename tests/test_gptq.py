@@ -10,7 +10,7 @@ from lowbit.quant.formats import get_format
 from lowbit.quant.gptq import GPTQConfig, gptq_round, row_grid
 from lowbit.quant.quantize import quantize_weight
 
-GPTQ_FORMATS = ("int8", "int8_convrot", "fp8_rowwise", "w4a4")
+GPTQ_FORMATS = ("int8", "int8_convrot", "fp8_rowwise", "w4a4", "w4a8")
 IDENTITY = GPTQConfig(act_order=False)
 
 
@@ -51,13 +51,13 @@ def test_identity_hessian_is_round_to_nearest(fmt, options, layer):
                                                         "gptq": config})
         assert rounded._layout_cls == nearest._layout_cls
         assert torch.equal(rounded._qdata.view(torch.uint8), nearest._qdata.view(torch.uint8))
-        for field in ("scale", "convrot", "convrot_groupsize"):
+        for field in ("scale", "s_channel", "codebook", "convrot", "convrot_groupsize"):
             if hasattr(nearest._params, field):
                 mine, theirs = getattr(rounded._params, field), getattr(nearest._params, field)
                 assert torch.equal(mine, theirs) if isinstance(theirs, torch.Tensor) else mine == theirs
 
 
-@pytest.mark.parametrize("fmt,min_gain", [("int8_convrot", 0.12), ("w4a4", 0.12), ("int8", 0.02),
+@pytest.mark.parametrize("fmt,min_gain", [("int8_convrot", 0.12), ("w4a4", 0.12), ("w4a8", 0.10), ("int8", 0.02),
                                           ("fp8_rowwise", 0.02)])
 def test_gptq_lowers_the_output_error(fmt, min_gain, layer):
     """On inputs with correlated, uneven channels GPTQ lowers the layer's output error against round-to-nearest,

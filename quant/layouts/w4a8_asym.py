@@ -24,7 +24,9 @@ import inspect
 import torch
 from comfy_kitchen.tensor import AsymW4A8Int8Layout, QuantizedTensor
 
+from ...kernels.hadamard import rotate_blocks
 from ...kernels.w4_linear import w4a8_linear
+from ..gptq import GPTQConfig, check_hessian, gptq_round
 from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
 LAYOUT = "AsymW4A8Int8Layout"
@@ -44,6 +46,41 @@ class W4A8AsymCodec(KitchenKernelCodec):
         fallback="int8_convrot", min_sm=(8, 0),
     )
     tensor_keys = ("weight", "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction")
+
+    def quantize(self, weight: torch.Tensor, *, compute_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 hessian: torch.Tensor | None = None, gptq: GPTQConfig | None = None) -> QuantizedTensor:
+        """:meth:`FormatCodec.quantize`; ``hessian`` (``[K, K]``, ``sum x^T x`` over the layer's calibration
+        inputs) keeps comfy-kitchen's group scales, channel scales and codebook, and chooses each code by GPTQ
+        (``quant/gptq.py``) among its group's 16 levels, in the rotated basis, instead of the nearest level."""
+        if hessian is None:
+            return super().quantize(weight, compute_dtype=compute_dtype, seed=seed)
+        if seed:
+            raise ValueError(f"w4a8: GPTQ rounding (a hessian) and stochastic rounding (seed={seed}) exclude each "
+                             f"other; give one of them")
+        check_hessian(hessian, weight.shape[1])
+        nearest = super().quantize(weight, compute_dtype=compute_dtype)
+        p = nearest._params
+        if p.codebook is None or p.correction is not None or nearest._qdata.shape[1] * 2 != weight.shape[1]:
+            raise ValueError("w4a8: GPTQ rounds the symmetric codebook weights comfy-kitchen makes by default; this "
+                             "weight came out in another form (no codebook, asymmetric, or not 4-bit codes)")
+        rotated = rotate_blocks(weight.float(), "regular", CONVROT_GROUP)
+        h = hessian.to(device=rotated.device, dtype=torch.float32)
+        h = rotate_blocks(rotate_blocks(h, "regular", CONVROT_GROUP).T.contiguous(), "regular", CONVROT_GROUP)
+        levels = (p.codebook.float().view(1, 1, 16) * p.scale.float().unsqueeze(-1)).round_().clamp_(-127, 127)
+        s_channel = p.s_channel.float().reshape(-1, 1)
+        group = p.group_size
+
+        def grid(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+            # the nearest of the column's group's levels, measured as kitchen's _assign_grid measures it
+            candidates = levels[:, columns // group, :]  # [N, b, 16]
+            code = (values.unsqueeze(-1) / s_channel.unsqueeze(-1) - candidates).abs().argmin(dim=-1)
+            return torch.gather(candidates, -1, code.unsqueeze(-1)).squeeze(-1) * s_channel
+
+        rounded = gptq_round(rotated, h, grid, gptq or GPTQConfig())
+        target = (rounded / s_channel).view(rounded.shape[0], -1, group, 1)
+        codes = (target - levels.unsqueeze(2)).abs().argmin(dim=-1).view(rounded.shape).to(torch.int32)
+        packed = ((codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4)).to(torch.int8).contiguous()
+        return QuantizedTensor(packed, LAYOUT, p)
 
     def _quantize(self, weight, *, seed):
         kwargs = {"group_size": GROUP, "convrot_groupsize": CONVROT_GROUP}
