@@ -426,8 +426,9 @@ def cmd_gptq(args: argparse.Namespace) -> int:
     from .quant.quantize import gptq_problem
 
     src, out = checked_paths(args.file, args.out, args.overwrite)
-    if args.steps < 1:
-        raise LowBitError(f"--steps must be at least 1, got {args.steps}")
+    for value, flag in ((args.steps, "--steps"), (args.prompts, "--prompts")):
+        if value < 1:
+            raise LowBitError(f"{flag} must be at least 1, got {value}")
     if not args.hessian_budget_gb > 0:
         raise LowBitError(f"--hessian-budget-gb must be positive, got {args.hessian_budget_gb}")
     try:
@@ -450,9 +451,9 @@ def cmd_gptq(args: argparse.Namespace) -> int:
     from .quant.checkpoint import save_checkpoint
 
     with progress_bar(args, "GPTQ rounding", "layer") as progress:
-        result = gptq_quantize_model(model, policy, steps=args.steps, resolution=args.resolution, seed=args.seed,
-                                     gptq=config, hessian_budget_bytes=int(args.hessian_budget_gb * 2**30),
-                                     progress=progress)
+        result = gptq_quantize_model(model, policy, steps=args.steps, prompts=args.prompts, resolution=args.resolution,
+                                     seed=args.seed, gptq=config,
+                                     hessian_budget_bytes=int(args.hessian_budget_gb * 2**30), progress=progress)
     save_checkpoint(native_state_dict(result), out, metadata=checkpoint_metadata(result, None),
                     overwrite=args.overwrite, protect=(src,))
     print(summary_table(out))
@@ -668,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage=f"{PROG} gptq IN OUT --mode MODE [options]",
         description="Load the float checkpoint IN with ComfyUI, run a few real denoising steps on a stand-in text "
                     "embedding, and quantize it to OUT with each layer's codes chosen by GPTQ against its recorded "
-                    "inputs (the int8, int8_convrot, fp8_rowwise and w4a4 layers; other formats round to nearest). "
+                    "inputs (the int8, int8_convrot, fp8_rowwise, w4a4 and w4a8 layers; other formats round to nearest). "
                     "OUT is an ordinary file of those formats. Needs ComfyUI (--comfyui, $COMFYUI_PATH or "
                     "~/ComfyUI). For your own prompts, use the GPTQ Quantize Model (LowBit) node.")
     g.add_argument("file", metavar="IN", help="a float .safetensors diffusion model")
@@ -676,10 +677,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", required=True, choices=modes, metavar="MODE", help="one of: %(choices)s")
     add_policy_options(g, presets)
     g.add_argument("--steps", type=int, default=4, help="denoising steps to record (default %(default)s)")
+    g.add_argument("--prompts", type=int, default=4,
+                   help="stand-in text embeddings the steps run on, each its own seed (default %(default)s)")
     g.add_argument("--resolution", type=int, default=512, metavar="PX",
                    help="side of the square calibration image in pixels (default %(default)s)")
-    g.add_argument("--damp", type=float, default=0.01,
-                   help="added to each layer's Hessian diagonal, as a share of its mean (default %(default)s)")
+    g.add_argument("--damp", type=float, default=0.1,
+                   help="added to each layer's Hessian diagonal, as a share of its mean: larger is closer to round to "
+                        "nearest and safer on other prompts (default %(default)s; GPTQ's usual value is 0.01)")
     g.add_argument("--hessian-budget-gb", type=float, default=4.0, metavar="GB",
                    help="memory the layers' Hessians may take at once; the steps are replayed per group that fits "
                         "(default %(default)s)")

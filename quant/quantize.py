@@ -53,7 +53,7 @@ def gptq_problem(formats) -> str | None:
     if not formats or any("hessian" in format_options(f) for f in formats):
         return None
     return (f"none of the formats this mode quantizes to ({', '.join(formats)}) takes GPTQ rounding; pick a mode of "
-            f"int8, int8_convrot, fp8_rowwise or w4a4 layers (or int4_mixed), or round to nearest (Quantize Model, "
+            f"int8, int8_convrot, fp8_rowwise, w4a4 or w4a8 layers (or int4_mixed), or round to nearest (Quantize Model, "
             f"'lowbit quantize')")
 
 

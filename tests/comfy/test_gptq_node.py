@@ -29,16 +29,17 @@ from lowbit.quant.errors import LowBitError  # noqa: E402
 from lowbit.quant.policy import Policy  # noqa: E402
 
 STEPS, RESOLUTION = 4, 256  # a 32x32 latent: 256 image tokens a step, more rows than the layers' widths
-HELD_OUT_SEEDS = (1, 2)  # sampling seeds GPTQ never saw (it records seed 0), same stand-in conditioning
+HELD_OUT_SEEDS = (1, 2)  # noise seeds of the first stand-in prompt's steps that GPTQ never saw (it records seed 0)
+OTHER_PROMPTS = (11, 12, 13)  # stand-in prompts (and noise seeds) GPTQ never saw (it records prompts 0-3)
 #: GPTQ's error against round-to-nearest's on the held-out steps, at most (measured on the CPU, two seeds:
 #: int8_convrot 0.66-0.67, w4a4 0.72-0.74, fp8_rowwise 0.65, int8 0.45, int4_mixed 0.69-0.70)
 MAX_RATIO = 0.85
 
 
-def _calls(model, seed: int):
-    """The denoiser calls of ``STEPS`` sampling steps of ``model`` from noise ``seed`` (the stand-in prompt)."""
+def _calls(model, seed: int, prompt: int = 0):
+    """The denoiser calls of ``STEPS`` sampling steps of ``model`` from noise ``seed`` on stand-in prompt ``prompt``."""
     with recorded_calls(diffusion_model_of(model)) as calls:
-        run_denoising(model, default_conditioning(model, seed=0), default_latent(model, RESOLUTION), STEPS, seed)
+        run_denoising(model, default_conditioning(model, seed=prompt), default_latent(model, RESOLUTION), STEPS, seed)
     return calls
 
 
@@ -59,14 +60,24 @@ def float_model():
     return load_stock(tiny_flux_bf16())
 
 
-@pytest.fixture(scope="module")
-def held_out(float_model):
-    """``[(calls, float outputs)]`` of the held-out sampling seeds."""
+def _runs(float_model, pairs):
     out = []
-    for seed in HELD_OUT_SEEDS:
-        calls = _calls(float_model, seed)
+    for seed, prompt in pairs:
+        calls = _calls(float_model, seed, prompt)
         out.append((calls, _replay(float_model, calls)))
     return out
+
+
+@pytest.fixture(scope="module")
+def held_out(float_model):
+    """``[(calls, float outputs)]`` of the first stand-in prompt's steps from noise seeds GPTQ did not record."""
+    return _runs(float_model, [(seed, 0) for seed in HELD_OUT_SEEDS])
+
+
+@pytest.fixture(scope="module")
+def other_prompts(float_model):
+    """``[(calls, float outputs)]`` of stand-in prompts GPTQ did not record."""
+    return _runs(float_model, [(prompt, prompt) for prompt in OTHER_PROMPTS])
 
 
 def _layers(model) -> dict[str, QuantizedTensor]:
@@ -83,7 +94,7 @@ def test_schema_is_lowbit_and_every_input_and_output_has_a_tooltip():
     assert [i.id for i in schema.inputs if not i.optional] == ["model", "mode"]
 
 
-@pytest.mark.parametrize("mode", ["int8_convrot", "w4a4", "fp8_rowwise", "int8", "int4_mixed"])
+@pytest.mark.parametrize("mode", ["int8_convrot", "w4a4", "w4a8", "fp8_rowwise", "int8", "int4_mixed"])
 def test_gptq_lowers_the_error_on_steps_it_never_saw(float_model, held_out, mode):
     """Against round to nearest, on the denoiser calls of other sampling seeds than the one recorded: every planned
     layer rounded by GPTQ, in the same layout and scales, and the model output closer to the float model's."""
@@ -98,7 +109,7 @@ def test_gptq_lowers_the_error_on_steps_it_never_saw(float_model, held_out, mode
         assert qt._layout_cls == theirs[name]._layout_cls and qt.shape == theirs[name].shape
         if hasattr(qt._params, "scale"):  # GPTQ keeps the format's scales (on a GPU kitchen rotates its own way:
             # the same abs-max scales to float rounding)
-            assert torch.allclose(qt._params.scale, theirs[name]._params.scale, rtol=1e-5, atol=0), name
+            assert torch.allclose(qt._params.scale.float(), theirs[name]._params.scale.float(), rtol=1e-5, atol=0), name
         changed += not torch.equal(qt._qdata.view(torch.uint8), theirs[name]._qdata.view(torch.uint8))
     assert changed == len(ours), f"{len(ours) - changed} layers kept their round-to-nearest codes"
     for calls, references in held_out:
@@ -107,6 +118,20 @@ def test_gptq_lowers_the_error_on_steps_it_never_saw(float_model, held_out, mode
     assert "rounded by GPTQ" in model_info(rounded).source
     after = diffusion_model_of(float_model).state_dict()
     assert all(torch.equal(before[k], after[k].cpu()) for k in before), "the input model changed"
+
+
+@pytest.mark.parametrize("mode", ["int8_convrot", "w4a8"])
+def test_gptq_lowers_the_error_on_prompts_it_never_saw(float_model, other_prompts, mode):
+    """On stand-in prompts GPTQ did not record, with the node's defaults (4 recorded prompts, damp 0.1), the rotated
+    formats' output error is lower than round-to-nearest's on every prompt, and lower on average by a tenth (measured
+    on the CPU: int8_convrot 0.71-0.83x, w4a8 0.35-0.85x; with one recorded prompt and damp 0.01 a prompt did worse,
+    int8_convrot 1.12x, and plain int8 up to 2.1x: docs/nodes/gptq-quantize-model.md)."""
+    policy = Policy(mode=mode)
+    nearest = quantize_model(float_model, policy)
+    rounded = gptq_quantize_model(float_model, policy, steps=STEPS, resolution=RESOLUTION)
+    ratios = [_error(_replay(rounded, calls), refs) / _error(_replay(nearest, calls), refs)
+              for calls, refs in other_prompts]
+    assert max(ratios) < 1.0 and sum(ratios) / len(ratios) < 0.9, (mode, ratios)
 
 
 def test_hessian_groups_give_the_same_weights(float_model):
@@ -153,7 +178,7 @@ def test_node_runs_and_refuses_what_it_cannot_round(float_model):
     (model,) = LowBitGPTQQuantizeModel.execute(model=float_model, mode="int8_convrot", steps=1, resolution=128).result
     assert _layers(model)
     with pytest.raises(NodeInputError, match="takes GPTQ"):
-        LowBitGPTQQuantizeModel.execute(model=float_model, mode="w4a8", steps=1, resolution=128)
+        LowBitGPTQQuantizeModel.execute(model=float_model, mode="int8_hadanorm", steps=1, resolution=128)
     with pytest.raises(NodeInputError, match="steps"):
         gptq_quantize_model(float_model, Policy(mode="int8"), steps=0)
     with pytest.raises(NodeInputError, match="damp"):
@@ -182,13 +207,14 @@ def test_cli_gptq_writes_a_file_stock_loads(tmp_path, held_out):
         metadata = reader.metadata
         tensors = {key: reader.read(key) for key in reader.keys()}
     record = json.loads(metadata["lowbit_gptq"])
-    assert record["steps"] == STEPS and record["layers"] > 0 and record["damp"] == 0.01
+    assert record["steps"] == STEPS and record["layers"] > 0 and record["damp"] == 0.1
+    assert record["conditioning"].startswith("4 stand-in")
     nearest = native_state_dict(quantize_model(load_stock(tiny_flux_bf16()), Policy(mode="int8_convrot")))
     calls, references = held_out[0]
     errors = {name: _error(_replay(load_stock(sd), calls), references) for name, sd in
               (("gptq", tensors), ("rtn", nearest))}
     assert errors["gptq"] < MAX_RATIO * errors["rtn"], errors
-    for args, says in ((["--mode", "w4a8"], "takes GPTQ"), (["--mode", "int8", "--damp", "0"], "damp"),
+    for args, says in ((["--mode", "int8_quarot"], "takes GPTQ"), (["--mode", "int8", "--damp", "0"], "damp"),
                        (["--mode", "int8", "--comfyui", str(tmp_path)], "ComfyUI")):
         bad = _lowbit(["gptq", str(src), str(tmp_path / "bad.safetensors"), "--device", "cpu", "--steps", "1",
                        "--resolution", "64", *args], tmp_path)
