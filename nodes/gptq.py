@@ -105,15 +105,15 @@ def _gptq_weights(model_patcher, policy: Policy, rounded: dict, *, positive, lat
                 dm(*args, **kwargs)
         for name in group:
             hessian = recorder.hessian(name)
-            done += 1
             if hessian is None:
                 log.warning("LowBit: %s never ran while recording; it is rounded to nearest", name)
-                continue
-            fmt = rounded[name].format
-            options = {**policy.codec_options(fmt), "hessian": hessian, "gptq": gptq}
-            qt = quantize_weight(weights[name].to(device), fmt, name=name, compute_dtype=compute_dtype,
-                                 options=options)
-            out[name] = qt.to(device=model_patcher.offload_device)
+            else:
+                fmt = rounded[name].format
+                options = {**policy.codec_options(fmt), "hessian": hessian, "gptq": gptq}
+                qt = quantize_weight(weights[name].to(device), fmt, name=name, compute_dtype=compute_dtype,
+                                     options=options)
+                out[name] = qt.to(device=model_patcher.offload_device)
+            done += 1
             if progress is not None:
                 progress(done, len(rounded))
         del recorder
