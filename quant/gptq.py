@@ -106,7 +106,8 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, grid: Grid,
 
     Returns the rounded weight, fp32 ``[N, K]``: every value is ``grid``'s output for its column, so
     the format turns it into codes exactly. With ``H = I`` (and no act order) this is round-to-nearest.
-    ``config.backend`` says how each block of columns is rounded (the same bits either way).
+    ``config.backend`` says how each block of columns is rounded (the same bits either way for blocks of at most
+    128 columns; a wider block is rounded by the kernel 128 columns at a time, the same up to float rounding).
     """
     if weight.dim() != 2:
         raise ValueError(f"gptq_round takes a [N, K] weight, found shape {list(weight.shape)}")
