@@ -79,6 +79,23 @@ def check_hessian(hessian: torch.Tensor, in_features: int, layer: str = "weight"
         raise ValueError(f"{layer}: the GPTQ Hessian has NaN or Inf values; record the layer's inputs again")
 
 
+def check_gptq_call(fmt: str, hessian: torch.Tensor, in_features: int, seed: int) -> None:
+    """Raise a ``ValueError`` unless a format's GPTQ call can run: a valid Hessian, and no stochastic rounding."""
+    if seed:
+        raise ValueError(f"{fmt}: GPTQ rounding (a hessian) and stochastic rounding (seed={seed}) exclude each "
+                         f"other; give one of them")
+    check_hessian(hessian, in_features, fmt)
+
+
+def rotated_hessian(hessian: torch.Tensor, group: int, device: torch.device) -> torch.Tensor:
+    """``R^T H R`` for the regular-Hadamard rotation ``R`` in groups of ``group`` (ConvRot; ``R`` is symmetric), in
+    fp32 on ``device``: the Hessian of a weight quantized in the rotated basis ``W R``."""
+    from ..kernels.hadamard import rotate_blocks
+
+    h = hessian.to(device=device, dtype=torch.float32)
+    return rotate_blocks(rotate_blocks(h, "regular", group).T.contiguous(), "regular", group)
+
+
 def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     """The upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1`` (fp64 on the CPU, fp32 elsewhere).
     Inputs that were always zero (``diag H == 0``) get a unit diagonal: their weights round on their own."""

@@ -24,7 +24,7 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ...kernels.hadamard import rotate_blocks
 from ...kernels.int8_gemm import int8_linear
-from ..gptq import GPTQConfig, check_hessian, gptq_round, row_grid
+from ..gptq import GPTQConfig, check_gptq_call, gptq_round, rotated_hessian, row_grid
 from .base import FormatSpec, KitchenKernelCodec, W8A8Form, check_matrix, check_numel, conf_value, require
 
 LAYOUT = "TensorWiseINT8Layout"
@@ -49,15 +49,12 @@ class Int8TensorwiseCodec(KitchenKernelCodec):
         problem = self.spec.shape_problem(tuple(weight.shape))
         if problem:
             raise ValueError(problem)
-        if seed:
-            raise ValueError(f"{self.spec.name}: GPTQ rounding (a hessian) and stochastic rounding (seed={seed}) "
-                             f"exclude each other; give one of them")
-        check_hessian(hessian, weight.shape[1])
+        check_gptq_call(self.spec.name, hessian, weight.shape[1], seed)
         w = weight.float()
         h = hessian.to(device=w.device, dtype=torch.float32)
-        if self.convrot:  # quantized in the rotated basis: W R, and the inputs' H becomes R^T H R (R symmetric)
+        if self.convrot:  # quantized in the rotated basis: W R, and the inputs' H becomes R^T H R
             w = rotate_blocks(w, "regular", CONVROT_GROUP)
-            h = rotate_blocks(rotate_blocks(h, "regular", CONVROT_GROUP).T.contiguous(), "regular", CONVROT_GROUP)
+            h = rotated_hessian(hessian, CONVROT_GROUP, w.device)
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # kitchen's row scales
         rounded = gptq_round(w, h, row_grid(scale, -127, 127), gptq or GPTQConfig())
         codes = torch.round(rounded / scale[:, None]).to(torch.int8)

@@ -30,7 +30,7 @@ from ...kernels.backend import capability
 from ...kernels.hadamard import rotate_blocks
 from ...kernels.reference import pack_int4_signed
 from ...kernels.w4_linear import w4a4_linear
-from ..gptq import GPTQConfig, check_hessian, gptq_round, row_grid
+from ..gptq import GPTQConfig, check_gptq_call, gptq_round, rotated_hessian, row_grid
 from ..scale_search import mse_row_scales
 from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
@@ -68,9 +68,8 @@ class W4A4ConvRotCodec(KitchenKernelCodec):
         chooses the codes by GPTQ (``quant/gptq.py``, ``gptq`` its settings) in the rotated basis."""
         if scales not in SCALE_CHOICES:
             raise ValueError(f"w4a4 scales must be one of {', '.join(SCALE_CHOICES)}, got {scales!r}")
-        if hessian is not None and seed:
-            raise ValueError(f"w4a4: GPTQ rounding (a hessian) and stochastic rounding (seed={seed}) exclude each "
-                             f"other; give one of them")
+        if hessian is not None:
+            check_gptq_call(self.spec.name, hessian, weight.shape[1], seed)
         if hessian is None and (scales == "absmax" or seed):
             return super().quantize(weight, compute_dtype=compute_dtype, seed=seed)
         problem = self.spec.shape_problem(tuple(weight.shape))
@@ -82,10 +81,8 @@ class W4A4ConvRotCodec(KitchenKernelCodec):
         else:  # kitchen's abs-max scales (quantize_signed_int4_rowwise)
             scale = rotated.abs().amax(dim=1).clamp(min=1e-10) / INT4_MAX
         if hessian is not None:
-            check_hessian(hessian, weight.shape[1])
-            h = hessian.to(device=rotated.device, dtype=torch.float32)
-            h = rotate_blocks(rotate_blocks(h, "regular", CONVROT_GROUP).T.contiguous(), "regular", CONVROT_GROUP)
-            rotated = gptq_round(rotated, h, row_grid(scale, -INT4_MAX, INT4_MAX), gptq or GPTQConfig())
+            rotated = gptq_round(rotated, rotated_hessian(hessian, CONVROT_GROUP, rotated.device),
+                                 row_grid(scale, -INT4_MAX, INT4_MAX), gptq or GPTQConfig())
         codes = torch.clamp(torch.round(rotated / scale[:, None]), -INT4_MAX, INT4_MAX).to(torch.int8)
         params = TensorCoreConvRotW4A4Layout.Params(
             scale=scale, orig_dtype=compute_dtype, orig_shape=tuple(weight.shape), convrot_groupsize=CONVROT_GROUP,

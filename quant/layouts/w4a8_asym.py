@@ -26,7 +26,7 @@ from comfy_kitchen.tensor import AsymW4A8Int8Layout, QuantizedTensor
 
 from ...kernels.hadamard import rotate_blocks
 from ...kernels.w4_linear import w4a8_linear
-from ..gptq import GPTQConfig, check_hessian, gptq_round
+from ..gptq import GPTQConfig, check_gptq_call, gptq_round, rotated_hessian
 from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
 LAYOUT = "AsymW4A8Int8Layout"
@@ -54,18 +54,14 @@ class W4A8AsymCodec(KitchenKernelCodec):
         (``quant/gptq.py``) among its group's 16 levels, in the rotated basis, instead of the nearest level."""
         if hessian is None:
             return super().quantize(weight, compute_dtype=compute_dtype, seed=seed)
-        if seed:
-            raise ValueError(f"w4a8: GPTQ rounding (a hessian) and stochastic rounding (seed={seed}) exclude each "
-                             f"other; give one of them")
-        check_hessian(hessian, weight.shape[1])
+        check_gptq_call(self.spec.name, hessian, weight.shape[1], seed)
         nearest = super().quantize(weight, compute_dtype=compute_dtype)
         p = nearest._params
         if p.codebook is None or p.correction is not None or nearest._qdata.shape[1] * 2 != weight.shape[1]:
             raise ValueError("w4a8: GPTQ rounds the symmetric codebook weights comfy-kitchen makes by default; this "
                              "weight came out in another form (no codebook, asymmetric, or not 4-bit codes)")
         rotated = rotate_blocks(weight.float(), "regular", CONVROT_GROUP)
-        h = hessian.to(device=rotated.device, dtype=torch.float32)
-        h = rotate_blocks(rotate_blocks(h, "regular", CONVROT_GROUP).T.contiguous(), "regular", CONVROT_GROUP)
+        h = rotated_hessian(hessian, CONVROT_GROUP, rotated.device)
         levels = (p.codebook.float().view(1, 1, 16) * p.scale.float().unsqueeze(-1)).round_().clamp_(-127, 127)
         s_channel = p.s_channel.float().reshape(-1, 1)
         group = p.group_size
