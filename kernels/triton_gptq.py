@@ -6,7 +6,9 @@ goes to its grid point ``q``, its error ``e = (w_i - q) / U[i, i]`` is taken off
 registers and walks the ``b`` columns, where the torch loop launches about ten kernels per column.
 
 The grid is a row grid: integer codes ``[lo, hi]`` times one scale per row (``FP8=False``: INT8, signed INT4),
-or e4m3 values times one scale per row (``FP8=True``). Every operation is torch's, in torch's order and
+or e4m3 values times one scale per row (``FP8=True``), or (``CODEBOOK=True``, ``w4a8``) the nearest of 16 levels
+of the column's group in each row (``levels``: ``[N, groups, 16]``, a group index per column) times the row's
+scale, the first of equally near levels as ``torch.argmin`` picks it. Every operation is torch's, in torch's order and
 rounding: IEEE division (``div_rn``), round-half-even, the product ``e * U[i, j]`` rounded before it is
 subtracted (the launch turns FMA contraction off), so the result is the torch loop's bit for bit (a CPU
 interpreter test checks it). ``gptq_block`` returns the rounded values and the errors, ``[N, b]`` each.
@@ -26,8 +28,9 @@ _MAX_WIDTH = 128
 
 
 @triton.jit
-def _gptq_block_kernel(w_ptr, u_ptr, scale_ptr, q_ptr, e_ptr, n, width, stride_w, stride_u, stride_q, stride_e,
-                       lo, hi, FP8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+def _gptq_block_kernel(w_ptr, u_ptr, scale_ptr, q_ptr, e_ptr, levels_ptr, groups_ptr, n, width, stride_w, stride_u,
+                       stride_q, stride_e, stride_levels, lo, hi, FP8: tl.constexpr, CODEBOOK: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_B)
     row_ok = rows < n
@@ -42,7 +45,14 @@ def _gptq_block_kernel(w_ptr, u_ptr, scale_ptr, q_ptr, e_ptr, n, width, stride_w
         here = (cols == i)[None, :]
         col = tl.sum(tl.where(here, w, 0.0), axis=1)
         y = tl.math.div_rn(col, scale)
-        if FP8:
+        if CODEBOOK:
+            slots = tl.arange(0, 16)
+            group = tl.load(groups_ptr + i).to(tl.int64)
+            levels = tl.load(levels_ptr + rows64 * stride_levels + group * 16 + slots[None, :], mask=row_ok[:, None],
+                             other=0.0)
+            code = tl.argmin(tl.abs(y[:, None] - levels), axis=1, tie_break_left=True)
+            q = tl.sum(tl.where(slots[None, :] == code[:, None], levels, 0.0), axis=1) * scale
+        elif FP8:
             q = _round_to_e4m3(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)) * scale
         else:
             q = tl.minimum(tl.maximum(_rint(y), lo), hi) * scale
@@ -55,14 +65,28 @@ def _gptq_block_kernel(w_ptr, u_ptr, scale_ptr, q_ptr, e_ptr, n, width, stride_w
     tl.store(e_ptr + rows64 * stride_e + cols[None, :], errors, mask=tile_ok)
 
 
-def gptq_block(block: torch.Tensor, u_block: torch.Tensor, scale: torch.Tensor, *, fp8: bool,
-               lowest: float = 0.0, highest: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gptq_block(block: torch.Tensor, u_block: torch.Tensor, scale: torch.Tensor, *, fp8: bool = False,
+               lowest: float = 0.0, highest: float = 0.0, levels: torch.Tensor | None = None,
+               groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Round the fp32 ``[N, b]`` slab ``block`` (``b <= 128``) under the upper-triangular ``[b, b]`` ``u_block``:
-    the grid points and the errors, ``[N, b]`` fp32 each (``block`` is not changed). ``scale``: fp32 ``[N]``."""
+    the grid points and the errors, ``[N, b]`` fp32 each (``block`` is not changed). ``scale``: fp32 ``[N]``.
+    A codebook grid gives ``levels`` (``[N, groups, 16]``) and ``groups`` (each column's group index, ``[b]``)."""
     n, width = block.shape
     if width > _MAX_WIDTH or tuple(u_block.shape) != (width, width) or scale.numel() != n:
         raise ValueError(f"gptq_block takes a [N, b <= {_MAX_WIDTH}] slab, a [b, b] factor and [N] scales; got "
                          f"{list(block.shape)}, {list(u_block.shape)}, {scale.numel()}")
+    codebook = levels is not None
+    if codebook and (fp8 or groups is None or levels.dim() != 3 or levels.shape[0] != n or levels.shape[2] != 16
+                     or groups.numel() != width):
+        raise ValueError(f"a codebook grid takes [N, groups, 16] levels and one group index per column (not fp8); "
+                         f"got levels {None if levels is None else list(levels.shape)}, "
+                         f"groups {None if groups is None else groups.numel()} for a {list(block.shape)} slab")
+    if codebook:
+        levels = levels.float().contiguous()
+        groups = groups.to(device=block.device, dtype=torch.int32).contiguous()
+        if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= levels.shape[1]):
+            raise ValueError(f"group indices must lie in [0, {levels.shape[1]}), got "
+                             f"[{int(groups.min())}, {int(groups.max())}]")
     block = block.float().contiguous()
     u_block = u_block.float().contiguous()
     scale = scale.float().reshape(n).contiguous()
@@ -71,7 +95,8 @@ def gptq_block(block: torch.Tensor, u_block: torch.Tensor, scale: torch.Tensor, 
     if n == 0 or width == 0:
         return rounded, errors
     _gptq_block_kernel[(triton.cdiv(n, _BLOCK_R),)](
-        block, u_block, scale, rounded, errors, n, width, block.stride(0), u_block.stride(0), rounded.stride(0),
-        errors.stride(0), float(lowest), float(highest), FP8=fp8, BLOCK_R=_BLOCK_R, BLOCK_B=_MAX_WIDTH,
-        num_warps=4, enable_fp_fusion=False)
+        block, u_block, scale, rounded, errors, levels if codebook else scale, groups if codebook else scale, n,
+        width, block.stride(0), u_block.stride(0), rounded.stride(0), errors.stride(0),
+        levels.stride(0) if codebook else 0, float(lowest), float(highest), FP8=fp8, CODEBOOK=codebook,
+        BLOCK_R=_BLOCK_R, BLOCK_B=_MAX_WIDTH, num_warps=4, enable_fp_fusion=False)
     return rounded, errors

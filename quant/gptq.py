@@ -131,10 +131,11 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, grid: Grid,
     backend = config.backend
     n, k = weight.shape
     check_hessian(hessian, k)
-    use_triton = backend == "triton" or (backend == "auto" and weight.is_cuda and isinstance(grid, RowGrid)
+    kernel_grid = isinstance(grid, (RowGrid, CodebookGrid))
+    use_triton = backend == "triton" or (backend == "auto" and weight.is_cuda and kernel_grid
                                          and _triton_runs(weight.device))
-    if use_triton and not isinstance(grid, RowGrid):
-        raise ValueError("gptq_round's triton backend takes a row grid (row_grid / fp8_row_grid)")
+    if use_triton and not kernel_grid:
+        raise ValueError("gptq_round's triton backend takes a row grid (row_grid / fp8_row_grid) or a CodebookGrid")
     w = weight.float().clone()
     h = hessian.to(device=w.device)
     order = None
@@ -154,7 +155,7 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, grid: Grid,
             for part in range(start, stop, _TRITON_WIDTH):  # the kernel rounds at most 128 columns at a time
                 end = min(part + _TRITON_WIDTH, stop)
                 rounded[:, part:end], errors[:, part - start:end - start] = _triton_block(
-                    w[:, part:end], u[part:end, part:end], grid)
+                    w[:, part:end], u[part:end, part:end], grid, columns[part:end])
                 w[:, end:stop] -= errors[:, part - start:end - start] @ u[part:end, end:stop]
         else:
             block = w[:, start:stop].clone()
@@ -180,9 +181,11 @@ def _triton_runs(device: torch.device) -> bool:
     return triton_problem(device) is None
 
 
-def _triton_block(block: torch.Tensor, u_block: torch.Tensor, grid: "RowGrid"):
+def _triton_block(block: torch.Tensor, u_block: torch.Tensor, grid: "RowGrid | CodebookGrid", columns: torch.Tensor):
     from ..kernels.triton_gptq import gptq_block
 
+    if isinstance(grid, CodebookGrid):
+        return gptq_block(block, u_block, grid.scale, levels=grid.levels, groups=columns // grid.group)
     return gptq_block(block, u_block, grid.scale, fp8=grid.fp8, lowest=grid.lowest, highest=grid.highest)
 
 
@@ -202,6 +205,30 @@ class RowGrid:
             limit = torch.finfo(torch.float8_e4m3fn).max
             return torch.clamp(values / scale, -limit, limit).to(torch.float8_e4m3fn).float() * scale
         return torch.clamp(torch.round(values / scale), self.lowest, self.highest) * scale
+
+
+@dataclass(frozen=True)
+class CodebookGrid:
+    """Per row and group of ``group`` input columns, 16 levels (``levels``: fp32 ``[N, K / group, 16]``) times one
+    scale per row (``scale``: fp32 ``[N]``): each value goes to the nearest level of its column's group (the first
+    of equally near ones), measured as ``value / scale - level``. Called as a :data:`Grid`."""
+
+    levels: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+    def __post_init__(self):
+        if self.levels.dim() != 3 or self.levels.shape[2] != 16 or self.scale.numel() != self.levels.shape[0]:
+            raise ValueError(f"a CodebookGrid takes [N, groups, 16] levels and [N] scales, got "
+                             f"{list(self.levels.shape)} and {self.scale.numel()}")
+        object.__setattr__(self, "levels", self.levels.float().contiguous())
+        object.__setattr__(self, "scale", self.scale.float().reshape(-1))
+
+    def __call__(self, values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        scale = self.scale.reshape(-1, 1, 1)
+        candidates = self.levels[:, columns // self.group, :]  # [N, b, 16]
+        code = (values.unsqueeze(-1) / scale - candidates).abs().argmin(dim=-1)
+        return torch.gather(candidates, -1, code.unsqueeze(-1)).squeeze(-1) * scale[:, :, 0]
 
 
 def row_grid(scale: torch.Tensor, lowest: float, highest: float) -> RowGrid:

@@ -26,7 +26,7 @@ from comfy_kitchen.tensor import AsymW4A8Int8Layout, QuantizedTensor
 
 from ...kernels.hadamard import rotate_blocks
 from ...kernels.w4_linear import w4a8_linear
-from ..gptq import GPTQConfig, check_gptq_call, gptq_round, rotated_hessian
+from ..gptq import CodebookGrid, GPTQConfig, check_gptq_call, gptq_round, rotated_hessian
 from .base import FormatSpec, KitchenKernelCodec, W4Form, check_matrix, conf_value, require
 
 LAYOUT = "AsymW4A8Int8Layout"
@@ -65,13 +65,8 @@ class W4A8AsymCodec(KitchenKernelCodec):
         levels = (p.codebook.float().view(1, 1, 16) * p.scale.float().unsqueeze(-1)).round_().clamp_(-127, 127)
         s_channel = p.s_channel.float().reshape(-1, 1)
         group = p.group_size
-
-        def grid(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-            # the nearest of the column's group's levels, measured as kitchen's _assign_grid measures it
-            candidates = levels[:, columns // group, :]  # [N, b, 16]
-            code = (values.unsqueeze(-1) / s_channel.unsqueeze(-1) - candidates).abs().argmin(dim=-1)
-            return torch.gather(candidates, -1, code.unsqueeze(-1)).squeeze(-1) * s_channel
-
+        # the nearest of the column's group's levels, measured as kitchen's _assign_grid measures it
+        grid = CodebookGrid(levels, s_channel, group)
         rounded = gptq_round(rotated, h, grid, gptq or GPTQConfig())
         target = (rounded / s_channel).view(rounded.shape[0], -1, group, 1)
         codes = (target - levels.unsqueeze(2)).abs().argmin(dim=-1).view(rounded.shape).to(torch.int32)
