@@ -240,8 +240,33 @@ def test_flux_step_bench_interleaves_modes_and_switches_the_input_fusion_off(tmp
     assert searched["rel_err"] != absmax["rel_err"]
 
 
+def test_flux_step_bench_gptq_modes_round_through_the_gptq_node(tmp_path):
+    """``+gptq``: the mode's model comes from the GPTQ node's core (stand-in prompts, the node's record), every
+    rounded layer but the float modulation's with ``+floatmods``, and its output is not round-to-nearest's."""
+    out = tmp_path / "step.json"
+    env = {**os.environ, "COMFYUI_PATH": str(_comfyui()), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(GPU_DIR / "bench_flux_step.py"), "--size", "tiny", "--device", "cpu", "--iters", "1",
+           "--modes", "int8_convrot", "int8_convrot+gptq", "int8_convrot+gptq+floatmods", "--gptq-steps", "1",
+           "--gptq-prompts", "2", "--gptq-damp", "0.05", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    _assert_finite(report, "step")
+    rtn, gptq, float_mods = (report["modes"][m] for m in ("int8_convrot", "int8_convrot+gptq",
+                                                          "int8_convrot+gptq+floatmods"))
+    assert "gptq" not in rtn
+    assert gptq["gptq"]["damp"] == 0.05 and gptq["gptq"]["steps"] == 1
+    assert gptq["gptq"]["conditioning"].startswith("2 stand-in")
+    blocks = 4  # the tiny Flux's two double and two single blocks: 2 + 2 + 1 + 1 modulation linears
+    assert gptq["gptq"]["layers"] - float_mods["gptq"]["layers"] == 6 == 2 * 2 + blocks // 2
+    assert float_mods["weight_bytes"] > gptq["weight_bytes"]
+    assert gptq["rel_err"] != rtn["rel_err"] and gptq["rel_err"] > 0
+
+
 @pytest.mark.parametrize("modes, message", [(["int8+dvram"], "need a CUDA device"),
-                                            (["int8", "int8+nosuch"], "unknown flags ['nosuch']")])
+                                            (["int8", "int8+nosuch"], "unknown flags ['nosuch']"),
+                                            (["int8+gptq+unfused"], "no +unfused"),
+                                            (["bf16+gptq"], "quantizes a format")])
 def test_flux_step_bench_refuses_what_it_cannot_run_before_building_the_model(tmp_path, modes, message):
     """A mode flag it does not know, or ``+dvram`` (comfy-aimdo's Dynamic VRAM) without a GPU: a clear error
     before the model is built and nothing written."""

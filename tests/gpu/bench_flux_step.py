@@ -26,7 +26,10 @@ modulation linears' one-row inputs are quantized as before (an A/B of its speed 
 scales (``Policy.w4a4_scales``) instead of the searched ones; ``+dvram`` loads the mode's model as ComfyUI does by default on NVIDIA GPUs,
 through Dynamic VRAM (comfy-aimdo's ``ModelPatcherDynamic``: weights in RAM, a resident copy in the model's
 VRAM "vbar", every layer cast per call; ``bf16+dvram`` is stock bf16 loaded that way, a second copy of the
-model). Flags combine in any order: ``int8_convrot+floatmods+attn``.
+model); ``+gptq`` quantizes through the GPTQ Quantize Model node's core (``nodes/gptq.py``: stand-in prompts
+sampled at the node's resolution, seeds other than the evaluated input's, the node's defaults unless
+``--gptq-damp``, ``--gptq-prompts`` or ``--gptq-steps``), so the row's error is GPTQ's and its speed the
+format's. Flags combine in any order: ``int8_convrot+floatmods+attn``.
 
 ``--rounds R`` (> 0) keeps every mode's model and, after the per-mode pass, times them again in ``R``
 interleaved rounds (two consecutive steps of each mode per round, in turn), so that a slow phase of the
@@ -196,7 +199,7 @@ def step_time(dm, args, device, iters: int, transformer_options: dict | None = N
 
 ATTN_SUFFIX = "+attn"
 #: what a mode's ``+flag``s after the format switch (module docstring)
-MODE_FLAGS = ("attn", "unfused", "noqkv", "noreplay", "floatmods", "actmods", "dvram", "absmax")
+MODE_FLAGS = ("attn", "unfused", "noqkv", "noreplay", "floatmods", "actmods", "dvram", "absmax", "gptq")
 FLOAT_MODULATION = r"(_mod|modulation)\.lin$"  # Flux's per-block modulation linears
 
 
@@ -206,6 +209,9 @@ def parse_mode(mode: str) -> tuple[str, set[str]]:
     unknown = set(flags) - set(MODE_FLAGS)
     if unknown:
         raise SystemExit(f"mode {mode!r}: unknown flags {sorted(unknown)} (known: {', '.join(MODE_FLAGS)})")
+    if "gptq" in flags and ("unfused" in flags or fmt == "bf16"):
+        raise SystemExit(f"mode {mode!r}: +gptq quantizes a format through the GPTQ node's core, which fuses the "
+                         "inputs (no +unfused)")
     return fmt, set(flags)
 
 
@@ -324,6 +330,9 @@ def run(argv=None) -> dict:
     p.add_argument("--gpu-tie", type=float, default=None,
                    help="the kernel dispatcher's gpu_tie (GPU times this close: the least host time wins); "
                         "default: the dispatcher's own (0 = the least GPU time, as before it existed)")
+    p.add_argument("--gptq-damp", type=float, default=None, help="+gptq modes: GPTQ's damp (default: the node's)")
+    p.add_argument("--gptq-prompts", type=int, default=None, help="+gptq modes: stand-in prompts (default: the node's)")
+    p.add_argument("--gptq-steps", type=int, default=None, help="+gptq modes: recorded steps (default: the node's)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     dynamic = False
@@ -380,8 +389,10 @@ def _run(a, device) -> dict:
                 t0 = time.perf_counter()
                 policy = Policy(mode=fmt, extra_keep_float=keep, w4a4_scales="absmax" if "absmax" in flags else "mse")
                 with without_block_fusion() if "noqkv" in flags else contextlib.nullcontext():
-                    q = quantize_model(base, policy, fuse_inputs=fuse)
+                    q = gptq_model(base, policy, a) if "gptq" in flags else quantize_model(base, policy, fuse_inputs=fuse)
                 row.update(fuse_inputs=fuse, extra_keep_float=list(keep), w4a4_scales=policy.w4a4_scales)
+                if "gptq" in flags:
+                    row["gptq"] = gptq_record(q)
                 sync(device)
                 row["quantize_s"] = time.perf_counter() - t0
                 qdm = q.model.diffusion_model
@@ -421,6 +432,26 @@ def _run(a, device) -> dict:
     if a.offload_cap_gb > 0 and device.type == "cuda":
         report["offload"] = offload_compare(base, a, args, device)
     return report
+
+
+def gptq_model(base, policy, a):
+    """``+gptq``: the model quantized by the GPTQ Quantize Model node's core (``nodes/gptq.py``), with the node's
+    defaults (stand-in prompts sampled at the node's resolution, other seeds than the evaluated input) but
+    ``--gptq-damp`` / ``--gptq-prompts`` / ``--gptq-steps``."""
+    from lowbit.nodes import gptq as node
+    from lowbit.quant.gptq import GPTQConfig
+
+    return node.gptq_quantize_model(
+        base, policy, steps=a.gptq_steps or node.DEFAULT_STEPS, prompts=a.gptq_prompts or node.DEFAULT_PROMPTS,
+        seed=100, gptq=GPTQConfig(damp=node.DEFAULT_DAMP if a.gptq_damp is None else a.gptq_damp))
+
+
+def gptq_record(q) -> dict:
+    """What the GPTQ node recorded about its rounding (the saved files' ``lowbit_gptq`` metadata)."""
+    from lowbit.nodes.model_quant import model_info
+
+    info = model_info(q)
+    return dict(info.gptq) if info is not None and info.gptq else {}
 
 
 def interleaved(report: dict, kept: dict, args, device, rounds: int) -> None:
