@@ -51,10 +51,11 @@ class Int8TensorwiseCodec(KitchenKernelCodec):
             raise ValueError(problem)
         check_gptq_call(self.spec.name, hessian, weight.shape[1], seed)
         w = weight.float()
-        h = hessian.to(device=w.device, dtype=torch.float32)
         if self.convrot:  # quantized in the rotated basis: W R, and the inputs' H becomes R^T H R
             w = rotate_blocks(w, "regular", CONVROT_GROUP)
             h = rotated_hessian(hessian, CONVROT_GROUP, w.device)
+        else:
+            h = hessian.to(device=w.device, dtype=torch.float32)
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)  # kitchen's row scales
         rounded = gptq_round(w, h, row_grid(scale, -127, 127), gptq or GPTQConfig())
         codes = torch.round(rounded / scale[:, None]).to(torch.int8)

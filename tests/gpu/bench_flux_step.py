@@ -389,7 +389,8 @@ def _run(a, device) -> dict:
                 t0 = time.perf_counter()
                 policy = Policy(mode=fmt, extra_keep_float=keep, w4a4_scales="absmax" if "absmax" in flags else "mse")
                 with without_block_fusion() if "noqkv" in flags else contextlib.nullcontext():
-                    q = gptq_model(base, policy, a) if "gptq" in flags else quantize_model(base, policy, fuse_inputs=fuse)
+                    q = (gptq_model(base, policy, a) if "gptq" in flags
+                         else quantize_model(base, policy, fuse_inputs=fuse))
                 row.update(fuse_inputs=fuse, extra_keep_float=list(keep), w4a4_scales=policy.w4a4_scales)
                 if "gptq" in flags:
                     row["gptq"] = gptq_record(q)
@@ -441,9 +442,12 @@ def gptq_model(base, policy, a):
     from lowbit.nodes import gptq as node
     from lowbit.quant.gptq import GPTQConfig
 
+    def given(value, default):
+        return default if value is None else value
+
     return node.gptq_quantize_model(
-        base, policy, steps=a.gptq_steps or node.DEFAULT_STEPS, prompts=a.gptq_prompts or node.DEFAULT_PROMPTS,
-        seed=100, gptq=GPTQConfig(damp=node.DEFAULT_DAMP if a.gptq_damp is None else a.gptq_damp))
+        base, policy, steps=given(a.gptq_steps, node.DEFAULT_STEPS),
+        prompts=given(a.gptq_prompts, node.DEFAULT_PROMPTS), seed=100, gptq=GPTQConfig(damp=given(a.gptq_damp, node.DEFAULT_DAMP)))
 
 
 def gptq_record(q) -> dict:
