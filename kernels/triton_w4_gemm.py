@@ -81,57 +81,13 @@ _CODEBOOK_PTX = tl.constexpr(
     "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [r]; shr.u32 h, $2, 4; "
     + _plane_ptx("$2", "$0") + _plane_ptx("h", "$1") + "}")
 
-# pack=8: one whole 16-code group (8 packed bytes) an instance, so its table row is loaded once. Outputs
-# $0, $1: the low-nibble plane's two words; $2, $3: the high-nibble plane's. $4, $5: the 8 packed bytes;
-# $6 (and $7): the group's index g in its K tile, in every byte; $8 ($9-$15: the same): the row's scale bytes
-# 0-7 of the K tile (little-endian), $16 ($17-$23): its bytes 8-15 (16 groups a tile; else a copy of $8); a
-# PRMT picks byte g & 7 of each, and g's bit 3 (sign-replicated by a PRMT of g << 4) chooses between them.
-# $24 ($25-$31): the table's address. The inputs are copied before any output is written.
-_CODEBOOK_GROUP_PTX = tl.constexpr(
-    "{ .reg .b32 x, y, q, m, a, b, h, w0, w1, lo, hi, t0, t1, t2, t3, o0, o1, o2, o3; .reg .b64 r; "
-    "mov.b32 w0, $4; mov.b32 w1, $5; and.b32 q, $6, 7; shl.b32 m, $6, 4; prmt.b32 m, m, 0, 0x8888; "
-    "mov.b64 {lo, hi}, $8; prmt.b32 x, lo, hi, q; mov.b64 {lo, hi}, $16; prmt.b32 y, lo, hi, q; "
-    "lop3.b32 x, x, y, m, 0xD8; and.b32 x, x, 0xFF; "
-    "mul.wide.u32 r, x, 16; add.s64 r, r, $24; ld.global.nc.v4.b32 {t0, t1, t2, t3}, [r]; "
-    + _plane_ptx("w0", "o0") + "shr.u32 h, w0, 4; " + _plane_ptx("h", "o2")
-    + _plane_ptx("w1", "o1") + "shr.u32 h, w1, 4; " + _plane_ptx("h", "o3")
-    + "mov.b32 $0, o0; mov.b32 $1, o1; mov.b32 $2, o2; mov.b32 $3, o3; }")
-_GROUP_PTX_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r,r,r," + ",".join(["l"] * 24))
-
 
 @triton.jit
 def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
                CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr,
-               BLOCK_N: tl.constexpr, HALF: tl.constexpr, S_WORD: tl.constexpr = 0):
-    """``[BLOCK_N, HALF]`` packed bytes → (low-nibble plane, high-nibble plane), int8 each.
-
-    ``S_WORD`` (4, 8 or 16, the codebook's PTX decode only; 0: off): a row's ``S_WORD`` scale bytes of the K
-    tile (all of them: ``S_WORD == 2 * HALF // GROUP``) come in one 32-bit, one or two 64-bit loads, which the
-    pipeliner issues ahead like the weight tile's (it does not for single scale bytes), and each group's byte
-    is picked in the PTX; the launcher checks the alignment this needs (``_scale_word``)."""
-    if CODEBOOK and USE_PTX and S_WORD > 0:
-        # One instance a 16-code group (pack=8): one table-row load a group, not one per 8 codes.
-        if S_WORD == 4:
-            words = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            s_a = tl.load(words + rows_b.to(tl.int64) * (stride_sn // 4) + k_byte0 // HALF).to(tl.int64)
-            s_b = s_a
-        else:  # 8 or 16 scale bytes: one or two 64-bit words
-            words = s_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-            word0 = rows_b.to(tl.int64) * (stride_sn // 8) + (k_byte0 // HALF) * (S_WORD // 8)
-            s_a = tl.load(words + word0)
-            if S_WORD == 16:
-                s_b = tl.load(words + word0 + 1)
-            else:
-                s_b = s_a
-        sel = (tl.arange(0, HALF) // (GROUP // 2)).to(tl.int8)
-        sel_full = tl.full((BLOCK_N, HALF), 0, tl.int8) + sel[None, :]
-        s_a_full = tl.full((BLOCK_N, HALF), 0, tl.int64) + s_a[:, None]
-        s_b_full = tl.full((BLOCK_N, HALF), 0, tl.int64) + s_b[:, None]
-        table = tl.full((BLOCK_N, HALF), 0, tl.int64) + table_ptr.to(tl.int64)
-        low, high = tl.inline_asm_elementwise(_CODEBOOK_GROUP_PTX, _GROUP_PTX_CONSTRAINTS,
-                                              [packed, sel_full, s_a_full, s_b_full, table],
-                                              dtype=(tl.int8, tl.int8), is_pure=True, pack=8)
-    elif CODEBOOK and USE_PTX and GROUP >= 8:
+               BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """``[BLOCK_N, HALF]`` packed bytes → (low-nibble plane, high-nibble plane), int8 each."""
+    if CODEBOOK and USE_PTX and GROUP >= 8:
         # The group's 16 levels (table row s: 16 bytes) come in one vector load per 4 packed bytes, and
         # a byte permute (PRMT) picks each code's level from them in registers. pack=4: the 4 bytes of a
         # 32-bit register are consecutive along K and share a group (groups are 8-byte aligned runs);
@@ -175,8 +131,7 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
 
 @triton.jit
 def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride_am, stride_wn, stride_sn,
-             CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr, S_WORD: tl.constexpr,
-             SWAP_AB: tl.constexpr,
+             CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
              TMA_A: tl.constexpr, TMA_W: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``, over the K tiles
@@ -214,7 +169,7 @@ def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride
             packed = tl.load(w_ptrs)
             w_ptrs += HALF
         low, high = _decode_w4(packed, s_ptr, table_ptr, rows_b, k * HALF, stride_sn,
-                               CODEBOOK, GROUP, USE_PTX, BLOCK_N, HALF, S_WORD)
+                               CODEBOOK, GROUP, USE_PTX, BLOCK_N, HALF)
         if SWAP_AB:
             acc = tl.dot(low, tl.trans(a_even), acc, out_dtype=tl.int32)
             acc = tl.dot(high, tl.trans(a_odd), acc, out_dtype=tl.int32)
@@ -265,7 +220,7 @@ def _w4a8_mm_kernel(
     a, w, c, a_scale_ptr, w_scale_ptr, bias_ptr, s_ptr, table_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_am, stride_wn, stride_sn, stride_cm, K_TILES_PER_SPLIT,
     CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
-    S_WORD: tl.constexpr, SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
+    SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -281,7 +236,7 @@ def _w4a8_mm_kernel(
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, 0, K // BLOCK_K,
-                           stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, S_WORD, SWAP_AB, TMA_A, TMA_W,
+                           stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W,
                            BLOCK_M, BLOCK_N, BLOCK_K)
             _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                       HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
@@ -293,7 +248,7 @@ def _w4a8_mm_kernel(
             k_first = tl.program_id(1) * K_TILES_PER_SPLIT
             k_last = tl.minimum(k_last, k_first + K_TILES_PER_SPLIT)
         acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, k_first, k_last, stride_am,
-                       stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, S_WORD, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N,
+                       stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N,
                        BLOCK_K)
         if SPLIT_K > 1:
             acc, last = _split_k_total(acc, ws_ptr, lock_ptr, tl.program_id(0), tl.program_id(1), SPLIT_K,
@@ -319,8 +274,7 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None, s_rel: torch.Tensor | None, table: torch.Tensor | None,
                    group_size: int, out_dtype: torch.dtype, config: GemmConfig,
-                   out: torch.Tensor | None = None, ptx: bool | None = None,
-                   scale_words: bool | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, ptx: bool | None = None) -> torch.Tensor:
     """Launch :func:`_w4a8_mm_kernel`. ``a``'s columns must be permuted in blocks of ``config.block_k``
     (evens, then odds). ``s_rel``/``table`` given ⇒ codebook decode, else signed nibbles.
 
@@ -331,8 +285,6 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     through pointers (same results). ``out`` (tests: a poisoned buffer) receives the result when given.
     ``ptx`` (tests) forces the inline-PTX decode on or off; by default it runs on a GPU, for the codebook
     only once :func:`_check_ptx_codebook` has seen this variant agree with the gather decode.
-    ``scale_words`` (tests, benchmarks) turns the codebook PTX's one-load-a-row scale words (``S_WORD``) on
-    or off; by default they are on wherever :func:`_scale_word` allows them.
     """
     m, k = a.shape
     n = packed.shape[0]
@@ -355,22 +307,19 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
     splits, per_split, ws, locks = split_k_shares(a, config, tiles, k // config.block_k)
     grid = (programs, splits)
-    use_ptx = _use_ptx(a) if ptx is None else ptx
-    s_word = _scale_word(s_rel, config, group_size) if codebook and use_ptx and scale_words is not False else 0
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
-                                   use_ptx=use_ptx, tma_a=tma_a, tma_w=tma_w, tma_store=tma_store, splits=splits,
-                                   s_word=s_word)
+                                   use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,
+                                   tma_store=tma_store, splits=splits)
     args = (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
             s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed, ws, locks,
             m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0), per_split)
     if ptx is None and codebook and constexprs["USE_PTX"]:
-        key = (a.device.index, config.name, out_dtype, tma_a, tma_w, tma_store, bias is not None, group_size, s_word)
+        key = (a.device.index, config.name, out_dtype, tma_a, tma_w, tma_store, bias is not None, group_size)
         verdict = _ptx_checked.get(key)
         if verdict is None and not torch.cuda.is_current_stream_capturing():
             _check_ptx_codebook(args, constexprs, config, grid, out, key)
             return out
-        # inside a graph capture, before any check: the gathers, this once
-        constexprs.update(verdict or dict(USE_PTX=False, S_WORD=0))
+        constexprs["USE_PTX"] = bool(verdict)  # inside a graph capture, before any check: the gathers, this once
     _LAUNCHER.launch(grid, args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -387,37 +336,30 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, grid:
                         key: tuple) -> None:
     """Run the variant with the gather decode into ``out`` and with the PTX decode into a second
     buffer; keep the verdict under ``key`` (what selects the compiled variant: device, config, output
-    dtype, the TMA flags, bias, group size, ``S_WORD``): the decode constexprs to launch with, or ``None``
-    for the gathers. A PTX decode with scale words that disagrees is tried again without them.
-    ``args[2]`` (the output or its TMA descriptor) is rebuilt for the second run."""
-    gathers = dict(constexprs, USE_PTX=False, S_WORD=0)
+    dtype, the TMA flags, bias, group size). ``args[2]`` (the output or its TMA descriptor) is rebuilt
+    for the second run."""
+    gathers = dict(constexprs, USE_PTX=False)
     _LAUNCHER.launch(grid, args, gathers, num_warps=config.num_warps, num_stages=config.num_stages)
     trial = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
     c_arg = trial
     if constexprs["TMA_STORE"]:
         c_arg = tma_descriptor(trial, (config.block_m, config.block_n // (2 if constexprs["SUBTILE"] else 1)))
-    trial_args = args[:2] + (c_arg,) + args[3:16] + (trial.stride(0),) + args[17:]
-    verdict = None
-    for s_word in dict.fromkeys((constexprs["S_WORD"], 0)):
-        decode = dict(USE_PTX=True, S_WORD=s_word)
-        _LAUNCHER.launch(grid, trial_args, dict(constexprs, **decode), num_warps=config.num_warps,
-                         num_stages=config.num_stages)
-        if torch.equal(trial, out):
-            verdict = decode
-            break
-        log.warning("LowBit: the in-register codebook decode (scale words: %d bytes) disagrees with the table "
-                    "gathers for the W4 GEMM config %s on this Triton; %s", s_word, config.name,
-                    "trying it without scale words" if s_word else
-                    "that config decodes with gathers (slower, same results)")
+    _LAUNCHER.launch(grid, args[:2] + (c_arg,) + args[3:16] + (trial.stride(0),) + args[17:], constexprs,
+                     num_warps=config.num_warps, num_stages=config.num_stages)
+    verdict = bool(torch.equal(trial, out))
+    if not verdict:
+        log.warning("LowBit: the in-register codebook decode disagrees with the table gathers for the W4 "
+                    "GEMM config %s on this Triton; that config decodes with gathers (slower, same results)",
+                    config.name)
     _ptx_checked[key] = verdict
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
-                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1, s_word: int = 0) -> dict:
+                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1) -> dict:
     """The constexpr arguments of :func:`_w4a8_mm_kernel`, in parameter order, for one variant
     (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
-                S_WORD=s_word, SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
+                SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
                 SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent, SPLIT_K=splits,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
 
@@ -430,17 +372,6 @@ _LAUNCHER = TritonLauncher(_w4a8_mm_kernel)
 # tests/gpu/sweep_w4_gemm.py measures the other choice too ("+alt-weight-load").
 _TMA_WEIGHT = {False: True, True: False}
 _STORABLE = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _scale_word(s_rel: torch.Tensor, config: GemmConfig, group_size: int) -> int:
-    """Scale bytes a row has in one K tile (``_decode_w4``'s ``S_WORD``), or 0 where the kernel cannot read
-    them as aligned words: a tile of 4, 8 or 16 groups of 16, rows of contiguous bytes whose stride and base
-    are multiples of the word (4 bytes, else 8)."""
-    word = config.block_k // group_size
-    if group_size != 16 or word not in (4, 8, 16) or s_rel.dim() != 2 or s_rel.stride(1) != 1:
-        return 0
-    s, align = s_rel.view(torch.uint8), min(word, 8)
-    return word if s.stride(0) % align == 0 and s.data_ptr() % align == 0 else 0
 
 
 def _use_ptx(a: torch.Tensor) -> bool:

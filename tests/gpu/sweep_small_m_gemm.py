@@ -29,9 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--m", default="256", help="comma-separated token counts")
     p.add_argument("--rep-ms", type=int, default=40)
-    p.add_argument("--kinds", default="int8,w4,w4cb",
-                   help="comma-separated subset of int8, w4, w4cb (codebook) and w4cb-bytes (the codebook with the "
-                        "scale bytes loaded one by one, as before scale words)")
+    p.add_argument("--kinds", default="int8,w4,w4cb", help="comma-separated subset of int8, w4, w4cb")
     p.add_argument("--shapes", default="issue", choices=sorted(SHAPES))
     p.add_argument("--extra", default="", help="comma-separated config names measured besides the candidates")
     p.add_argument("--out", required=True)
@@ -78,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             if "int8" in kinds:
                 jobs += [("int8", c, lambda c=c: w8a8_mm_triton(a, b8, sa, sb, bias, None, None, torch.bfloat16, c))
                          for c in dict.fromkeys([*w8a8_candidates(cap, m), *extra])]
-            for kind, codebook, words in (("w4", False, None), ("w4cb", True, None), ("w4cb-bytes", True, False)):
+            for kind, codebook in (("w4", False), ("w4cb", True)):
                 if kind in kinds:
                     operands = (s_rel, table) if codebook else (None, None)
-                    jobs += [(kind, c, lambda c=c, operands=operands, words=words: w4a8_mm_triton(
-                                a, packed, sa, sb, bias, *operands, 16, torch.bfloat16, c, scale_words=words))
+                    jobs += [(kind, c, lambda c=c, operands=operands: w4a8_mm_triton(
+                                a, packed, sa, sb, bias, *operands, 16, torch.bfloat16, c))
                              for c in dict.fromkeys([*w4_candidates(cap, m, codebook=codebook), *extra])]
             reference = {}
             for kind, config, fn in jobs:
