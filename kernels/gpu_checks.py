@@ -260,7 +260,8 @@ def verify(device: torch.device) -> list[str]:
         (257, 3072, "regular", 256, False, False, False), (64, 12288, "regular", 256, True, False, False),
         (129, 3072, "sylvester", 128, False, True, True), (33, 5120, "sylvester", 128, False, False, False),
         (8, 13824, "regular", 256, False, False, False), (17, 1000, "none", 0, False, False, True),
-        (100, 3072, "regular", 256, False, False, False, 128)]:
+        (100, 3072, "regular", 256, False, False, False, 128),
+        (100, 3072, "regular", 256, False, False, False, 128, 4)]:
         x = (torch.randn(m, k, device=device) * 3).to(torch.bfloat16)
         x[0, 5] = 80.0  # an outlier channel
         sm = torch.rand(k, device=device) + 0.5 if smooth else None
@@ -268,10 +269,11 @@ def verify(device: torch.device) -> list[str]:
         poison = torch.full((m, k), 77 if not fp8 else 0, device=device, dtype=torch.int8)
         if fp8:
             poison = torch.full((m, k), float("nan"), device=device).to(FP8)
-        perm_block = perm[0] if perm else 0
-        q, s, mu = act_quant_triton(x, dt, 448.0 if fp8 else 127.0, rotation, group, sm, center, perm_block, out=poison)
+        perm_block, perm_run = (perm + [0, 1][len(perm):])[:2]
+        q, s, mu = act_quant_triton(x, dt, 448.0 if fp8 else 127.0, rotation, group, sm, center, perm_block,
+                                    out=poison, perm_run=perm_run)
         qr, sr, mr = act_quant_reference(x, dt, None, rotation, group, sm, center)
-        qr = ops.permute_columns(qr, perm_block)
+        qr = ops.permute_columns(qr, perm_block, perm_run)
         diff = (q.float() - qr.float()).abs()
         frac = (diff > 0).float().mean().item()
         # without rotation or centring the codes are exact; the fused rotation is accurate to ~2^-12 of the
@@ -281,7 +283,7 @@ def verify(device: torch.device) -> list[str]:
         ok = bool(torch.isfinite(q.float()).all()) and (frac == 0 if exact else frac < 0.03 and near)
         scale_ok = torch.allclose(s, sr, rtol=1e-6 if exact else 2**-10)
         check(f"act_quant m={m} k={k} {rotation}{group} {'fp8' if fp8 else 'int8'} smooth={smooth} center={center} "
-              f"perm={perm_block}", ok and scale_ok, f"codes differing {frac:.2e}, max {diff.max().item():.3g}, "
+              f"perm={perm_block}/{perm_run}", ok and scale_ok, f"codes differing {frac:.2e}, max {diff.max().item():.3g}, "
               f"scale rel {((s - sr).abs() / sr).max().item():.1e}, near {near}")
 
     from ..quant.compiled_linear import gelu_input
@@ -415,7 +417,7 @@ def verify(device: torch.device) -> list[str]:
             args = (s_rel, table) if codebook else (None, None)
             ref = ops.w4a8_mm(a, packed, sa, sw, bias, *args, 16, 0, torch.bfloat16, "eager")
             for cfg in w4_candidates(cap, m, codebook=codebook):
-                a_perm = ops.permute_columns(a, cfg.block_k)
+                a_perm = ops.permute_columns(a, cfg.block_k, ops.plane_run(codebook))
                 # default: the codebook's first call checks its in-register decode against the gathers;
                 # ptx=True: the in-register decode itself, whatever that check decided
                 for ptx in (None, True) if codebook else (None,):
@@ -481,6 +483,7 @@ def _check_back_to_back(device: torch.device, cap: tuple[int, int], check, n: in
     codes early would read the previous call's, left at the same address by the allocator), eagerly and replayed
     in a CUDA graph. The first ``configs`` INT8 candidates and ``configs - 1`` codebook W4 candidates at each of
     the ``rows``. (Session 29 ran this against GEMMs launched with programmatic dependent launch.)"""
+    from . import ops
     from .gemm_config import w4_candidates, w8a8_candidates
     from .triton_act_quant import act_quant_triton
     from .triton_w4_gemm import w4a8_mm_triton
@@ -507,7 +510,8 @@ def _check_back_to_back(device: torch.device, cap: tuple[int, int], check, n: in
             if kind == "int8":
                 q, s, _ = act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False)
                 return w8a8_mm_triton(q, b, s, sb, bias, None, None, torch.bfloat16, cfg)
-            q, s, _ = act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False, cfg.block_k)
+            q, s, _ = act_quant_triton(x, torch.int8, 127.0, "regular", 256, None, False, cfg.block_k,
+                                       perm_run=ops.plane_run(True))
             return w4a8_mm_triton(q, packed, s, sb, bias, s_rel, table, 16, torch.bfloat16, cfg)
 
         expected = []

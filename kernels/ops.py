@@ -34,26 +34,39 @@ def _op_defined(name: str) -> bool:
 
 # ---- act_quant ----------------------------------------------------------------------------------
 
-def permute_columns(t: torch.Tensor, block: int) -> torch.Tensor:
-    """Reorder the columns of every ``block``-wide block evens first, then odds (``block`` 0: as is)."""
+def permute_columns(t: torch.Tensor, block: int, run: int = 1) -> torch.Tensor:
+    """Reorder the columns of every ``block``-wide block: the even runs of ``run`` columns first, then the
+    odd runs (``run`` 1: evens, then odds; ``block`` 0: as is)."""
     if not block:
         return t
     rows, cols = t.shape
-    return t.reshape(rows, cols // block, block // 2, 2).transpose(-1, -2).reshape(rows, cols)
+    return t.reshape(rows, cols // block, block // (2 * run), 2, run).transpose(2, 3).reshape(rows, cols)
+
+
+# The W4 kernel's column planes: the first and last 4 columns of every 8 for codebook weights (their
+# codes fill a packed 32-bit word's two halves, which the decode's byte permutes read most cheaply),
+# evens and odds for signed nibbles (``kernels/triton_w4_gemm.py``).
+CODEBOOK_RUN = 4
+
+
+def plane_run(codebook: bool) -> int:
+    """The run length of the W4 kernel's planes: its activations are ``permute_columns(a, block_k, run)``."""
+    return CODEBOOK_RUN if codebook else 1
 
 
 def _act_quant_impl(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotation: str, group_size: int,
                     smooth: torch.Tensor | None, center: bool, perm_block: int,
-                    impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    impl: str, perm_run: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if impl == "eager":
         q, scale, mean = act_quant_reference(x, out_dtype, qmax, rotation, group_size, smooth, center)
-        return permute_columns(q, perm_block), scale, mean
+        return permute_columns(q, perm_block, perm_run), scale, mean
     from .triton_act_quant import act_quant_triton
 
-    return act_quant_triton(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block)
+    return act_quant_triton(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block,
+                            perm_run=perm_run)
 
 
-def _act_quant_fake(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, impl):
+def _act_quant_fake(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, impl, perm_run=1):
     m, k = x.shape
     return (x.new_empty((m, k), dtype=out_dtype), x.new_empty((m, 1), dtype=torch.float32),
             x.new_empty((m, 1 if center else 0), dtype=torch.float32))
@@ -108,10 +121,11 @@ def decode_w4_reference(packed: torch.Tensor, s_rel: torch.Tensor | None, table:
 def _w4a8_mm_impl(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None, s_rel: torch.Tensor | None, table: torch.Tensor | None,
                   group_size: int, perm_block: int, out_dtype: torch.dtype, impl: str) -> torch.Tensor:
-    """``a``'s columns are permuted in blocks of ``perm_block`` (see ``permute_columns``); a Triton
-    ``impl`` needs ``perm_block`` equal to its K tile."""
+    """``a``'s columns are permuted in blocks of ``perm_block``, in runs of ``plane_run(s_rel is not None)``
+    (see ``permute_columns``); a Triton ``impl`` needs ``perm_block`` equal to its K tile."""
     if impl == "eager":
-        weight = permute_columns(decode_w4_reference(packed, s_rel, table, group_size), perm_block)
+        weight = permute_columns(decode_w4_reference(packed, s_rel, table, group_size), perm_block,
+                                 plane_run(s_rel is not None))
         return scaled_mm_reference(a, weight, a_scale, w_scale, bias, None, None, out_dtype)
     from .gemm_config import config_named
     from .triton_w4_gemm import w4a8_mm_triton

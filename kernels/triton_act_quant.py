@@ -58,9 +58,10 @@ from .launcher import TritonLauncher
 from .prologue import PROLOGUES, GeluPrologue, SwigluPrologue
 from .reference import FP8
 from .triton_act_quant_parts import (GELU_APPROXIMATIONS, ROTATE_IMPLS, SRC_ROUNDING, _dot_fp16, _no_mean,
+                                     _permute_codes,
                                      _pow2_at_least, _prologue_rows, _rotate_superblocks, _rotation_operands, _round_in,
                                      _round_to_e4m3, _rint, _row_scales)
-from .triton_act_quant_split import act_quant_split
+from .triton_act_quant_split import act_quant_split, check_permutation
 
 MAX_BLOCK_K = 32768  # rows wider than this use the eager reference
 TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_K per program (registers: 8192 fp32 over 4-16 warps)
@@ -88,7 +89,8 @@ def _act_quant_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr,
-    OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+    OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, PERM_RUN: tl.constexpr, R_BLOCK: tl.constexpr,
+    HW_FP8_CAST: tl.constexpr,
     PROLOGUE: tl.constexpr, APPROX: tl.constexpr, HAS_A: tl.constexpr, HAS_MULT: tl.constexpr,
     HAS_SHIFT: tl.constexpr, SRC_ROUND: tl.constexpr, NORM_RMS: tl.constexpr, HAS_NW: tl.constexpr,
     TWO_STEP: tl.constexpr, NW_ROUNDED: tl.constexpr, PTX: tl.constexpr,
@@ -158,9 +160,8 @@ def _act_quant_kernel(
             tl.store(o_ptrs + R, hi.to(tl.float8e4nv), mask=o_mask)
     else:
         q = _rint(y).to(tl.int8)
-        if PERM_BLOCK > 0:  # evens, then odds, within each PERM_BLOCK columns (in registers: stores stay wide)
-            q = tl.reshape(q, (BLOCK_M, BLOCK_K // PERM_BLOCK, PERM_BLOCK // 2, 2))
-            q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, BLOCK_K))
+        if PERM_BLOCK > 0:  # even runs, then odd runs, within each PERM_BLOCK columns
+            q = _permute_codes(q, BLOCK_M, BLOCK_K, PERM_BLOCK, PERM_RUN)
         tl.store(q_ptrs, q, mask=mask)
 
 
@@ -208,13 +209,16 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
                      tile_elements: int | None = None, num_warps: int | None = None,
                      outlier_index: torch.Tensor | None = None, rotate_impl: str | None = None,
                      split: str | None = None, chunk: int = 1024, num_stages: int | None = None,
-                     precise_fp8: bool = True, max_registers: int | None = None,
+                     precise_fp8: bool = True, max_registers: int | None = None, perm_run: int = 1,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`lowbit.kernels.reference.act_quant_reference` for a 2-D ``x``.
 
     ``x`` may instead be a prologue (``kernels/prologue.py``: ``[a | gelu(b)]``, ``[a | silu(gate) * up]`` or
     ``shift + layer_norm(x) * mult``): the rows are computed from its sources in registers and quantized as
     ``prologue.materialize()`` would be (the ``"pow2"`` split, no outlier columns).
+
+    ``perm_block`` (INT8 codes): the columns of every ``perm_block`` come reordered as
+    ``ops.permute_columns(codes, perm_block, perm_run)`` (the order a W4 GEMM's planes take).
 
     ``out`` (tests: a poisoned buffer) receives the codes when given; ``tile_elements`` and
     ``num_warps`` override the program size (benchmark sweeps). ``outlier_index`` (int32 ``[r]``,
@@ -259,13 +263,12 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     if split != "pow2":
         return act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out,
                                 tile_elements, num_warps, rotate_impl, split, chunk, num_stages, precise_fp8,
-                                max_registers)
+                                max_registers, perm_run)
     block_m, block_k, num_warps, programs = _launch_shape(m, k, rotate, tile_elements, num_warps)
     if rotate_impl == "dense" and rotate and block_m * block_k < 4096:
         raise ValueError(f"rotate_impl='dense' needs at least 16 super-blocks a program (tile_elements >= 4096), "
                          f"got {block_m} rows of {block_k}")
-    if perm_block and (k % perm_block or perm_block % 2 or perm_block & (perm_block - 1) or out_dtype == FP8):
-        raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features (INT8 codes only)")
+    check_permutation(k, perm_block, perm_run, out_dtype)
     r = 0 if outlier_index is None else outlier_index.numel()
     if r and (out_dtype != FP8 or rotate or center or smooth is not None or perm_block):
         raise ValueError("outlier columns are for FP8 codes without smoothing, centring, rotation or permutation")
@@ -286,7 +289,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
         dict(BLOCK_M=block_m, BLOCK_K=block_k, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
              ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
-             R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting(),
+             PERM_RUN=perm_run, R_BLOCK=max(16, _pow2_at_least(r)) if r else 0, HW_FP8_CAST=x.is_cuda and not interpreting(),
              **pro_flags, PTX=x.is_cuda and not interpreting() and torch.version.hip is None),
         **(dict(num_warps=num_warps) if max_registers is None else dict(num_warps=num_warps, maxnreg=max_registers)),
     )

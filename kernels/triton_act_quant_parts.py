@@ -253,9 +253,24 @@ def _row_scales(amax, qmax, scale_ptr, rows, row_ok, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _store_codes(q_ptrs, y, mask, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Store ``y`` (code units, within qmax) as FP8 or INT8 codes, ``PERM_BLOCK``-permuted for INT8.
+def _permute_codes(q, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, PERM_BLOCK: tl.constexpr,
+                   PERM_RUN: tl.constexpr):
+    """``q`` (``[BLOCK_M, WIDTH]``) with the columns of every ``PERM_BLOCK`` reordered as
+    ``ops.permute_columns``: the even runs of ``PERM_RUN`` columns first, then the odd runs (in registers:
+    stores stay wide)."""
+    if PERM_RUN == 1:
+        q = tl.reshape(q, (BLOCK_M, WIDTH // PERM_BLOCK, PERM_BLOCK // 2, 2))
+        q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, WIDTH))
+    else:
+        q = tl.reshape(q, (BLOCK_M, WIDTH // PERM_BLOCK, PERM_BLOCK // (2 * PERM_RUN), 2, PERM_RUN))
+        q = tl.reshape(tl.permute(q, (0, 1, 3, 2, 4)), (BLOCK_M, WIDTH))
+    return q
+
+
+@triton.jit
+def _store_codes(q_ptrs, y, mask, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, PERM_RUN: tl.constexpr,
+                 HW_FP8_CAST: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Store ``y`` (code units, within qmax) as FP8 or INT8 codes, permuted for INT8 (:func:`_permute_codes`).
     ``HW_FP8_CAST`` (on a GPU): the hardware rounds, to nearest even as the hand rounding does."""
     if OUT_FP8:
         if HW_FP8_CAST:
@@ -268,8 +283,7 @@ def _store_codes(q_ptrs, y, mask, OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexp
         else:
             q = _rint(y).to(tl.int8)
         if PERM_BLOCK > 0:
-            q = tl.reshape(q, (BLOCK_M, WIDTH // PERM_BLOCK, PERM_BLOCK // 2, 2))
-            q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, WIDTH))
+            q = _permute_codes(q, BLOCK_M, WIDTH, PERM_BLOCK, PERM_RUN)
         tl.store(q_ptrs, q, mask=mask)
 
 

@@ -57,7 +57,7 @@ def _act_quant_chunked_kernel(
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr, OUT_FP8: tl.constexpr,
-    PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+    PERM_BLOCK: tl.constexpr, PERM_RUN: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     """The rows in ``CHUNK``-wide pieces over the real ``K`` (no padding to a power of two, few
     registers): [a centring pass: the row sums], a pass for the row abs-max of the rotated values,
@@ -91,7 +91,8 @@ def _act_quant_chunked_kernel(
                           ROUND_IN)
         y = tl.minimum(tl.maximum(y * inv[:, None], -qmax), qmax)
         mask = row_ok[:, None] & (k0 + cols < K)[None, :]
-        _store_codes(q_rows[:, None] + (k0 + cols)[None, :], y, mask, OUT_FP8, PERM_BLOCK, HW_FP8_CAST, BLOCK_M, CHUNK)
+        _store_codes(q_rows[:, None] + (k0 + cols)[None, :], y, mask, OUT_FP8, PERM_BLOCK, PERM_RUN, HW_FP8_CAST,
+                     BLOCK_M, CHUNK)
 
 
 @triton.jit
@@ -127,12 +128,13 @@ def _finish_piece(x, mean, row_ok, K, pmat_ptr, qmat_ptr, hmat_ptr, rot_norm, OF
 
 @triton.jit
 def _store_piece(q_rows, y, inv, row_ok, K, OFF: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr,
-                 OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr):
+                 OUT_FP8: tl.constexpr, PERM_BLOCK: tl.constexpr, PERM_RUN: tl.constexpr,
+                 HW_FP8_CAST: tl.constexpr):
     # no clamp: |y| <= amax of these very values, so |y * inv| <= qmax (1 + 2^-23), which rounds to qmax
     cols = OFF + tl.arange(0, W)
     y = y * inv[:, None]
     _store_codes(q_rows[:, None] + cols[None, :], y, row_ok[:, None] & (cols < K)[None, :], OUT_FP8, PERM_BLOCK,
-                 HW_FP8_CAST, BLOCK_M, W)
+                 PERM_RUN, HW_FP8_CAST, BLOCK_M, W)
 
 
 @triton.jit
@@ -142,7 +144,7 @@ def _act_quant_pieces_kernel(
     BLOCK_M: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
     HAS_SMOOTH: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, TWO_STAGE: tl.constexpr,
     ROT_IMPL: tl.constexpr, PRECISE: tl.constexpr, ROUND_IN: tl.constexpr, OUT_FP8: tl.constexpr,
-    PERM_BLOCK: tl.constexpr, HW_FP8_CAST: tl.constexpr,
+    PERM_BLOCK: tl.constexpr, PERM_RUN: tl.constexpr, HW_FP8_CAST: tl.constexpr,
 ):
     """Whole rows in registers as up to four power-of-two pieces ``W0 >= W1 >= W2 >= W3`` (0: absent)
     laid end to end over the real ``K`` (3072 = 2048 + 1024: no padding to 4096), one read of ``x``."""
@@ -190,13 +192,13 @@ def _act_quant_pieces_kernel(
     if ROTATE:
         if ROT_IMPL == 3:
             inv = inv * rot_norm  # one multiply per element: unnormalized value times 1/sqrt(G) / scale
-    _store_piece(q_rows, x0, inv, row_ok, K, 0, W0, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+    _store_piece(q_rows, x0, inv, row_ok, K, 0, W0, BLOCK_M, OUT_FP8, PERM_BLOCK, PERM_RUN, HW_FP8_CAST)
     if W1 > 0:
-        _store_piece(q_rows, x1, inv, row_ok, K, O1, W1, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+        _store_piece(q_rows, x1, inv, row_ok, K, O1, W1, BLOCK_M, OUT_FP8, PERM_BLOCK, PERM_RUN, HW_FP8_CAST)
     if W2 > 0:
-        _store_piece(q_rows, x2, inv, row_ok, K, O2, W2, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+        _store_piece(q_rows, x2, inv, row_ok, K, O2, W2, BLOCK_M, OUT_FP8, PERM_BLOCK, PERM_RUN, HW_FP8_CAST)
     if W3 > 0:
-        _store_piece(q_rows, x3, inv, row_ok, K, O3, W3, BLOCK_M, OUT_FP8, PERM_BLOCK, HW_FP8_CAST)
+        _store_piece(q_rows, x3, inv, row_ok, K, O3, W3, BLOCK_M, OUT_FP8, PERM_BLOCK, PERM_RUN, HW_FP8_CAST)
 
 
 
@@ -232,13 +234,23 @@ def _pieces_launch_shape(m: int, k: int, unit: int, tile_elements: int,
     return block_m, tuple(widths), num_warps, -(-m // block_m)
 
 
+def check_permutation(k: int, perm_block: int, perm_run: int, out_dtype: torch.dtype) -> None:
+    """Raise unless ``perm_block`` (0: none) is a power of two dividing the ``k`` features, of whole pairs of
+    ``perm_run``-column runs (a power of two), on INT8 codes."""
+    if perm_run < 1 or perm_run & (perm_run - 1):
+        raise ValueError(f"perm_run must be a power of two, got {perm_run}")
+    if perm_block and (k % perm_block or perm_block % (2 * perm_run) or perm_block & (perm_block - 1)
+                       or out_dtype == FP8):
+        raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features and a multiple "
+                         f"of {2 * perm_run} (INT8 codes only)")
+
+
 def act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, perm_block, out, tile_elements,
-                     num_warps, rotate_impl, split, chunk, num_stages, precise_fp8, max_registers):
+                     num_warps, rotate_impl, split, chunk, num_stages, precise_fp8, max_registers, perm_run=1):
     """:func:`act_quant_triton` through the pieces or the chunked kernel (variant already checked)."""
     m, k = x.shape
     rotate = rotation != "none"
-    if perm_block and (k % perm_block or perm_block % 2 or perm_block & (perm_block - 1) or out_dtype == FP8):
-        raise ValueError(f"perm_block {perm_block} must be a power of two dividing the {k} features (INT8 codes only)")
+    check_permutation(k, perm_block, perm_run, out_dtype)
     if split == "chunks":
         block_m, num_warps, programs = _chunked_launch_shape(m, chunk, tile_elements, num_warps)
         launcher, widths, narrowest = _CHUNKED_LAUNCHER, dict(CHUNK=chunk), chunk
@@ -266,7 +278,7 @@ def act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, pe
         dict(BLOCK_M=block_m, **widths, HAS_SMOOTH=smooth is not None, CENTER=center, ROTATE=rotate,
              TWO_STAGE=two_stage, ROT_IMPL=ROTATE_IMPLS[rotate_impl], PRECISE=out_dtype == FP8 and precise_fp8,
              ROUND_IN=_round_in(x, smooth, center), OUT_FP8=out_dtype == FP8, PERM_BLOCK=perm_block,
-             HW_FP8_CAST=x.is_cuda and not interpreting()),
+             PERM_RUN=perm_run, HW_FP8_CAST=x.is_cuda and not interpreting()),
         **options,
     )
     return q, scale, mean

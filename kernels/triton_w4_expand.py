@@ -42,7 +42,11 @@ def _w4_expand_kernel(w, s_ptr, table_ptr, out, N, stride_wn, stride_sn, stride_
     packed = tl.load(w + rows[:, None].to(tl.int64) * stride_wn + k_byte0 + offs_h[None, :])
     low, high = _decode_w4(packed, s_ptr, table_ptr, rows, k_byte0, stride_sn, CODEBOOK, GROUP, USE_PTX,
                            BLOCK_N, HALF)
-    levels = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # byte j's two nibbles: columns 2j, 2j + 1
+    if CODEBOOK:  # the planes hold the first and last 4 columns of every 8 (``ops.plane_run``)
+        pairs = tl.join(tl.reshape(low, (BLOCK_N, HALF // 4, 4)), tl.reshape(high, (BLOCK_N, HALF // 4, 4)))
+        levels = tl.reshape(tl.permute(pairs, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+    else:
+        levels = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # byte j's two nibbles: columns 2j, 2j + 1
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :], levels, mask=(offs_n < N)[:, None])
 

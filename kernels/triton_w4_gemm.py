@@ -2,12 +2,15 @@
 
 The weight stays packed, ``[N, K/2]`` bytes, two nibbles a byte (low nibble = even column), as
 comfy-kitchen stores it. Each program loads a ``[BLOCK_N, BLOCK_K/2]`` byte tile and decodes it
-into two INT8 planes – the low nibbles (even columns) and the high nibbles (odd columns) – that
-feed the INT8 tensor cores directly (Hopper has no INT4 MMA); the product is exact in int32.
+into two INT8 planes of half the tile's columns each, which feed the INT8 tensor cores directly
+(Hopper has no INT4 MMA); the product is exact in int32.
 
 No re-interleaving: the activation codes arrive with the columns of every ``BLOCK_K`` block
-ordered evens first, then odds (``act_quant(..., perm_block=BLOCK_K)``), so each K step is two
-dots, ``A_even @ low.T + A_odd @ high.T``, over contiguous halves of the activation tile.
+permuted to match the planes (``act_quant(..., perm_block=BLOCK_K, perm_run=plane_run(codebook))``),
+so each K step is two dots, ``A_first @ plane0.T + A_second @ plane1.T``, over contiguous halves of
+the activation tile. Signed nibbles: the planes are the low nibbles (even columns) and the high
+nibbles (odd columns), evens first. Codebook: the planes are the first and last 4 columns of every 8
+(one 32-bit word of packed bytes), whose codes sit in the word's low and high halves.
 
 Two decodes:
 
@@ -21,10 +24,11 @@ Two decodes:
   ``round(codebook[c] * fp8(s))``, exactly comfy-kitchen's decode). On a GPU, per 4 packed bytes
   (8 codes of one group) an inline-PTX block loads the group's 16-byte table row in one vector load
   and picks each code's level with byte permutes (PRMT: ``T[c & 7]`` from the row's first 8 bytes,
-  ``T[8 + (c & 7)]`` from the last 8, chosen by code bit 3), 21 integer instructions for both planes;
-  the group scale byte is read once per group. The first call of each compiled variant also runs the
-  interpreter's form (two byte gathers per packed byte) and compares the outputs bit for bit, since
-  the PTX assumes Triton hands it 4 consecutive bytes of one row (``_check_ptx_codebook``).
+  ``T[8 + (c & 7)]`` from the last 8, chosen by code bit 3), 12 integer instructions for both planes
+  (21 with even / odd planes, which need the codes gathered into a selector and the bytes put back in
+  order); the group scale byte is read once per group. The first call of each compiled variant also
+  runs the interpreter's form (byte gathers) and compares the outputs bit for bit, since the PTX
+  assumes Triton hands it 4 consecutive bytes of one row (``_check_ptx_codebook``).
 
 ``SWAP_AB`` computes the transposed tile (the decoded weight as the left operand, which Hopper's
 ``wgmma`` can take from registers) and stores it transposed; the dispatcher measures both.
@@ -55,31 +59,29 @@ import triton.language as tl
 from .backend import capability, interpreting
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
+from .ops import plane_run  # noqa: F401  (the planes' activation order, named in the docstrings)
 from .triton_w8a8_gemm import _sm_count, _split_k_total, split_k_shares
 
 log = logging.getLogger(__name__)
 
 
-def _plane_ptx(src: str, out: str) -> str:
-    """PTX: the 4 levels of the nibbles ``src & 0x0F0F0F0F`` (one code a byte) into ``out``.
-
-    The selector ``x | x >> 12`` puts the codes in nibbles 0..3 in the order (c0, c2, c1, c3); PRMT
-    picks ``T[c & 7]`` from the table words t0:t1 and ``T[8 + (c & 7)]`` from t2:t3; the sign of each
-    byte of ``x << 4`` (code bit 3, by a sign-replicating PRMT) chooses between them (LOP3: ``m ? b : a``);
-    a last PRMT puts the bytes back in the order (c0, c1, c2, c3)."""
-    return (f"and.b32 x, {src}, 0x0F0F0F0F; shr.u32 y, x, 12; or.b32 y, x, y; and.b32 y, y, 0x7777; "
-            "prmt.b32 a, t0, t1, y; prmt.b32 b, t2, t3, y; shl.b32 x, x, 4; prmt.b32 x, x, 0, 0xB9A8; "
-            f"lop3.b32 a, a, b, x, 0xD8; prmt.b32 {out}, a, 0, 0x3120; ")
-
-
-# $2: 4 packed bytes (8 codes of one group); $3: 4 copies of the group's FP8 scale byte (byte 0 is
-# used); $4: the table's address ($5-$7: the same). The table row s holds the 16 levels of scale s.
+# $2: 4 packed bytes (8 codes of one group, nibble i = column i); $3: the group's FP8 scale byte,
+# zero-extended ($4-$6: the same); $7: the table's address ($8-$10: the same). The table row s holds the 16 levels
+# of scale s. Per plane: a PRMT selector of the 4 codes' low 3 bits (PRMT reads a selector's low 16
+# bits, and bit 3 of each nibble is its sign mode, so that bit is cleared), PRMTs picking
+# ``T[c & 7]`` from the table words t0:t1 and ``T[8 + (c & 7)]`` from t2:t3, and a LOP3 choosing
+# between them (``m ? b : a``) by a byte mask of code bit 3: bit 3 of an odd nibble is a sign bit of
+# the word, of an even nibble a sign bit of the word << 4, and a sign-replicating PRMT of those two
+# spreads each to its byte. 12 integer instructions for 8 codes, after the table row's load.
 # Every input is read before the first output is written (an output may share an input's register).
 _CODEBOOK_PTX = tl.constexpr(
-    "{ .reg .b32 x, y, a, b, h, t0, t1, t2, t3; .reg .b64 r; "
-    "and.b32 x, $3, 0xFF; mul.wide.u32 r, x, 16; add.s64 r, r, $4; "
-    "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [r]; shr.u32 h, $2, 4; "
-    + _plane_ptx("$2", "$0") + _plane_ptx("h", "$1") + "}")
+    "{ .reg .b32 sa, sb, v, a, b, c, d, ma, mb, t0, t1, t2, t3; .reg .b64 r; "
+    "mul.wide.u32 r, $3, 16; add.s64 r, r, $7; "
+    "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [r]; "
+    "and.b32 sa, $2, 0x7777; shr.u32 sb, $2, 16; and.b32 sb, sb, 0x7777; shl.b32 v, $2, 4; "
+    "prmt.b32 ma, $2, v, 0x9D8C; prmt.b32 mb, $2, v, 0xBFAE; "
+    "prmt.b32 a, t0, t1, sa; prmt.b32 b, t2, t3, sa; prmt.b32 c, t0, t1, sb; prmt.b32 d, t2, t3, sb; "
+    "lop3.b32 $0, a, b, ma, 0xD8; lop3.b32 $1, c, d, mb, 0xD8; }")
 
 
 @triton.jit
@@ -87,7 +89,7 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
                CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr,
                BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     """``[BLOCK_N, HALF]`` packed bytes → (low-nibble plane, high-nibble plane), int8 each."""
-    if CODEBOOK and USE_PTX and GROUP >= 8:
+    if CODEBOOK and USE_PTX:
         # The group's 16 levels (table row s: 16 bytes) come in one vector load per 4 packed bytes, and
         # a byte permute (PRMT) picks each code's level from them in registers. pack=4: the 4 bytes of a
         # 32-bit register are consecutive along K and share a group (groups are 8-byte aligned runs);
@@ -95,10 +97,12 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
         GROUPS: tl.constexpr = 2 * HALF // GROUP
         g = tl.arange(0, GROUPS)
         s_off = rows_b[:, None].to(tl.int64) * stride_sn + (k_byte0 * 2) // GROUP + g[None, :]
-        s_byte = tl.load(s_ptr + s_off)  # [BLOCK_N, GROUPS], raw FP8 bytes
-        s_elem = tl.reshape(tl.broadcast_to(s_byte[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)), (BLOCK_N, HALF))
+        # [BLOCK_N, GROUPS], the raw FP8 bytes zero-extended: a 32-bit operand each, so nothing packs
+        # four copies of a byte into one register for the assembly
+        s_word = tl.load(s_ptr + s_off).to(tl.int32) & 0xFF
+        s_elem = tl.reshape(tl.broadcast_to(s_word[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)), (BLOCK_N, HALF))
         table = tl.full((BLOCK_N, HALF), 0, tl.int64) + table_ptr.to(tl.int64)
-        low, high = tl.inline_asm_elementwise(_CODEBOOK_PTX, "=r,=r,r,r,l,l,l,l", [packed, s_elem, table],
+        low, high = tl.inline_asm_elementwise(_CODEBOOK_PTX, "=r,=r,r,r,r,r,r,l,l,l,l", [packed, s_elem, table],
                                               dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
     elif CODEBOOK:
         GROUPS: tl.constexpr = 2 * HALF // GROUP
@@ -107,9 +111,12 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
         s_byte = tl.load(s_ptr + s_off).to(tl.int32) & 0xFF  # [BLOCK_N, GROUPS]
         base = tl.reshape(tl.broadcast_to((s_byte * 16)[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)),
                           (BLOCK_N, HALF))
+        # The codes in column order (a word's nibbles 0..7), then each word's first 4 and last 4.
         byte = packed.to(tl.int32) & 0xFF
-        low = tl.load(table_ptr + base + (byte & 0xF))
-        high = tl.load(table_ptr + base + (byte >> 4))
+        codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_N, HALF // 4, 2, 4))
+        first, last = tl.split(tl.permute(codes, (0, 1, 3, 2)))
+        low = tl.load(table_ptr + base + tl.reshape(first, (BLOCK_N, HALF)))
+        high = tl.load(table_ptr + base + tl.reshape(last, (BLOCK_N, HALF)))
     elif USE_PTX:
         # 4 bytes a 32-bit register (pack=4). Per byte, low nibble n: t = n ^ 8 is in [0, 15], and
         # (t + 0x78) ^ 0x80 is t - 8 as a signed byte; t + 0x78 <= 0x87 never carries into the next
@@ -276,7 +283,8 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
                    group_size: int, out_dtype: torch.dtype, config: GemmConfig,
                    out: torch.Tensor | None = None, ptx: bool | None = None) -> torch.Tensor:
     """Launch :func:`_w4a8_mm_kernel`. ``a``'s columns must be permuted in blocks of ``config.block_k``
-    (evens, then odds). ``s_rel``/``table`` given ⇒ codebook decode, else signed nibbles.
+    in runs of :func:`plane_run` (``permute_columns(a, config.block_k, plane_run(codebook))``).
+    ``s_rel``/``table`` given ⇒ codebook decode (a group size that is a multiple of 8), else signed nibbles.
 
     The config's flags pick the variant: ``tma`` (operand tiles through TMA descriptors),
     ``tma_store`` / ``subtile`` (the output tile through a TMA store, whole or in two halves),
@@ -294,6 +302,8 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     if m == 0 or n == 0:
         return out
     codebook = s_rel is not None
+    if codebook and group_size % 8:
+        raise ValueError(f"the codebook decode needs groups of whole 8-code words, got group_size {group_size}")
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     half = config.block_k // 2
     tma_ok = _tma_device(a.device)

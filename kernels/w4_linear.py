@@ -167,8 +167,8 @@ class _W4Plan:
                 problem = "asymmetric W4A8 weights (with a correction term) are not decoded in-kernel"
             elif self.s_rel.dtype not in (FP8, torch.uint8):
                 problem = f"in-kernel decode needs FP8 group scales, found {self.s_rel.dtype}"
-            elif self.x.shape[1] % 256 or 64 % self.group_size:
-                problem = f"in-kernel decode needs K % 256 == 0 and a group size dividing 64, got {self.group_size}"
+            elif self.x.shape[1] % 256 or 64 % self.group_size or self.group_size % 8:
+                problem = f"in-kernel decode needs K % 256 == 0 and a group size of 8, 16, 32 or 64, got {self.group_size}"
         return problem
 
     def _kitchen_ok(self) -> bool:
@@ -236,7 +236,7 @@ class _W4Plan:
         if self.correction is not None and mm_impl == "eager":
             return self._dequant()  # the asymmetric correction is not an INT8 product (kitchen does the same)
         q, scale, _ = ops.act_quant(self.x, torch.int8, self.qmax, "regular", self.rot_group, None, False,
-                                    perm_block, act_impl)
+                                    perm_block, act_impl, ops.plane_run(self.s_rel is not None))
         table = level_table(self.codebook, self.device) if self.s_rel is not None else None
         return ops.w4a8_mm(q, self.packed, scale, self.w_scale, self.bias, self.s_rel, table, self.group_size,
                            perm_block, self.out_dtype, mm_impl)
@@ -294,7 +294,7 @@ class _TritonPlanBase:
 
 
 class _TritonW4Plan(_TritonPlanBase):
-    """The act-quant kernel (codes permuted for the nibble planes) + the W4 GEMM with one tile config."""
+    """The act-quant kernel (codes permuted for the W4 kernel's planes) + the W4 GEMM with one tile config."""
 
     __slots__ = ()
 
@@ -303,7 +303,8 @@ class _TritonW4Plan(_TritonPlanBase):
         from .triton_w4_gemm import w4a8_mm_triton
 
         config = self.config
-        q, scale, _ = act_quant_triton(x, torch.int8, self.qmax, "regular", self.rot_group, None, False, config.block_k)
+        q, scale, _ = act_quant_triton(x, torch.int8, self.qmax, "regular", self.rot_group, None, False, config.block_k,
+                                       perm_run=ops.plane_run(s_rel is not None))
         return q, scale, w4a8_mm_triton(q, packed, scale, w_scale, bias, s_rel, table, self.group_size,
                                         self.out_dtype, config)
 

@@ -104,6 +104,23 @@ def test_permuted_column_order(perm):
     assert torch.equal(permute_columns(q_ref, perm)[:, : perm // 2], q_ref[:, 0:perm:2])
 
 
+@pytest.mark.parametrize("perm,run", [(64, 4), (128, 4), (32, 16)])
+def test_permuted_runs_of_columns(perm, run):
+    """``perm_run``: the even runs of ``run`` columns of every block, then the odd runs (the codebook W4
+    kernel's planes: the first and last 4 columns of every 8)."""
+    x = randn(3, 512, seed=perm + run, dtype=torch.bfloat16)
+    q, _, _ = _triton(x, torch.int8, 127.0, "none", 0, None, False, perm, out=_poison(3, 512, torch.int8),
+                      perm_run=run)
+    q_ref, _, _ = act_quant_reference(x, torch.int8)
+    expected = permute_columns(q_ref, perm, run)
+    assert torch.equal(q, expected)
+    first = torch.arange(perm).view(-1, 2, run)[:, 0].reshape(-1)  # columns 0..run-1, 2run..3run-1, ...
+    assert torch.equal(expected[:, : perm // 2], q_ref[:, first])
+    assert torch.equal(expected[:, perm // 2: perm], q_ref[:, first + run])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _triton(x, torch.int8, 127.0, "none", 0, None, False, 4, perm_run=4)
+
+
 def test_op_routes_eager_and_triton_alike():
     x = randn(3, 128, seed=2, dtype=torch.bfloat16)
     eager = act_quant(x, torch.int8, 127.0, "none", 0, None, False, 0, "eager")

@@ -30,13 +30,13 @@ VARIANT_IDS = [f"{impl}-{split}{chunk or ''}-tile{tile}" for impl, split, chunk,
 ORIGINAL = ("permute", "pow2", 0, None)
 
 
-def _triton(x, dtype, rotation, group, smooth=None, center=False, perm=0, out=None, variant=ORIGINAL):
+def _triton(x, dtype, rotation, group, smooth=None, center=False, perm=0, out=None, variant=ORIGINAL, run=1):
     from lowbit.kernels.triton_act_quant import act_quant_triton
 
     impl, split, chunk, tile = variant
     qmax = 448.0 if dtype == FP8 else 127.0
     return act_quant_triton(x, dtype, qmax, rotation, group, smooth, center, perm, out=out, tile_elements=tile,
-                            rotate_impl=impl, split=split, chunk=chunk or 1024)
+                            rotate_impl=impl, split=split, chunk=chunk or 1024, perm_run=run)
 
 
 def _poison(m, k, dtype):
@@ -183,16 +183,18 @@ def test_rows_of_any_magnitude(variant):
     torch.testing.assert_close(scale, scale_ref, rtol=2**-10, atol=0)
 
 
-@pytest.mark.parametrize("split,chunk,perm", [("chunks", 256, 128), ("chunks", 512, 64), ("chunks", 256, 256),
-                                              ("pieces", 0, 128), ("pieces", 0, 512)])
-def test_permuted_column_order(split, chunk, perm):
+@pytest.mark.parametrize("split,chunk,perm,run", [("chunks", 256, 128, 1), ("chunks", 512, 64, 1),
+                                                  ("chunks", 256, 256, 1), ("pieces", 0, 128, 1),
+                                                  ("pieces", 0, 512, 1), ("chunks", 256, 128, 4),
+                                                  ("pieces", 0, 256, 4)])
+def test_permuted_column_order(split, chunk, perm, run):
     m, k = 5, 1536 if perm == 512 else 768  # 768 = 512 + 256; 1536 in 512-wide units = 1024 + 512
     x = randn(m, k, seed=perm + chunk, scale=2, dtype=torch.bfloat16)
     q, _, _ = _triton(x, torch.int8, "regular", 256, perm=perm, out=_poison(m, k, torch.int8),
-                      variant=("batched", split, chunk, None))
+                      variant=("batched", split, chunk, None), run=run)
     q_ref, _, _ = act_quant_reference(x, torch.int8, None, "regular", 256)
-    _assert_int8_near(q, permute_columns(q_ref, perm))
-    q_old, _, _ = _triton(x, torch.int8, "regular", 256, perm=perm)
+    _assert_int8_near(q, permute_columns(q_ref, perm, run))
+    q_old, _, _ = _triton(x, torch.int8, "regular", 256, perm=perm, run=run)
     assert (q == q_old).float().mean() > 0.97
 
 

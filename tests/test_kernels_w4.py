@@ -13,7 +13,7 @@ from comfy_kitchen.backends.eager.svdquant import _unpack_int4_row_major
 
 from lowbit.kernels.backend import Backend, force_backend
 from lowbit.kernels.gemm_config import GemmConfig
-from lowbit.kernels.ops import decode_w4_reference, permute_columns, w4a8_mm
+from lowbit.kernels.ops import decode_w4_reference, permute_columns, plane_run, w4a8_mm
 from lowbit.kernels.reference import (FP8, decode_w4a8_levels, int8_accumulate_reference, unpack_int4_signed,
                                       w4a8_level_table)
 from lowbit.kernels.w4_linear import level_table, w4a4_linear, w4a8_linear
@@ -62,8 +62,8 @@ def test_w4_gemm_is_exact(config, codebook):
     args = (s_rel, table) if codebook else (None, None)
     weight = decode_w4_reference(packed, *args, 16)
     poison = torch.full((m, n), float("nan"))
-    out = w4a8_mm_triton(permute_columns(a, config.block_k), packed, torch.ones(m, 1), torch.ones(n), None, *args,
-                         16, torch.float32, config, out=poison)
+    out = w4a8_mm_triton(permute_columns(a, config.block_k, plane_run(codebook)), packed, torch.ones(m, 1),
+                         torch.ones(n), None, *args, 16, torch.float32, config, out=poison)
     assert torch.equal(out, int8_accumulate_reference(a, weight).float())
 
 
@@ -91,8 +91,8 @@ def test_w4_small_m_configs_are_exact(codebook, config, m):
     s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(16)) * 60 + 4).to(FP8)
     args = (s_rel, w4a8_level_table(CODEBOOK)) if codebook else (None, None)
     poison = torch.full((m, n), float("nan"))
-    out = w4a8_mm_triton(permute_columns(a, config.block_k), packed, torch.ones(m, 1), torch.ones(n), None,
-                         *args, 16, torch.float32, config, out=poison)
+    out = w4a8_mm_triton(permute_columns(a, config.block_k, plane_run(codebook)), packed, torch.ones(m, 1),
+                         torch.ones(n), None, *args, 16, torch.float32, config, out=poison)
     assert torch.equal(out, int8_accumulate_reference(a, decode_w4_reference(packed, *args, 16)).float())
 
 
@@ -208,7 +208,7 @@ def _run_ptx(asm: str, operands: dict[int, int], memory: dict[int, bytes]) -> di
 def test_codebook_ptx_decode_picks_the_table_levels(seed):
     """The inline PTX of the GPU codebook decode (the CPU interpreter runs the gathers instead), executed
     with PTX semantics: for random packed words and scale bytes, its two output words are the table's
-    levels of the low and high nibbles of each byte, in byte order."""
+    levels of the word's nibbles 0-3 and 4-7 (its first and last 4 columns), in column order."""
     from lowbit.kernels.triton_w4_gemm import _CODEBOOK_PTX
 
     gen = torch.Generator().manual_seed(seed)
@@ -218,11 +218,10 @@ def test_codebook_ptx_decode_picks_the_table_levels(seed):
     words = torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist() + [0, 0xFFFFFFFF, 0x88888888]
     scales = torch.randint(0, 256, (len(words),), generator=gen).tolist()
     for word, s in zip(words, scales):
-        out = _run_ptx(_CODEBOOK_PTX.value, {2: word, 3: s * 0x01010101, 4: base}, memory)
+        out = _run_ptx(_CODEBOOK_PTX.value, {2: word, 3: s, 7: base}, memory)
         for i in range(4):
-            byte = word >> 8 * i & 0xFF
-            assert out[0] >> 8 * i & 0xFF == table[s, byte & 0xF].item(), (hex(word), s, i)
-            assert out[1] >> 8 * i & 0xFF == table[s, byte >> 4].item(), (hex(word), s, i)
+            assert out[0] >> 8 * i & 0xFF == table[s, word >> 4 * i & 0xF].item(), (hex(word), s, i)
+            assert out[1] >> 8 * i & 0xFF == table[s, word >> 4 * (4 + i) & 0xF].item(), (hex(word), s, i)
 
 
 @needs_triton_interpreter()

@@ -18,7 +18,7 @@ from comfy_kitchen.backends.eager import w4a8_int8 as ck_w4a8
 
 from lowbit.kernels import triton_w4_gemm
 from lowbit.kernels.gemm_config import GemmConfig
-from lowbit.kernels.ops import decode_w4_reference, permute_columns
+from lowbit.kernels.ops import decode_w4_reference, permute_columns, plane_run
 from lowbit.kernels.reference import FP8, int8_accumulate_reference, scaled_mm_reference, w4a8_level_table
 
 pytestmark = needs_triton_interpreter()
@@ -68,8 +68,9 @@ def _poisoned_view(m, n, dtype, pad_rows=3, row_align=16):
 
 def _run(problem, config, out):
     a, packed, a_scale, w_scale, bias, s_rel, table = problem
-    return triton_w4_gemm.w4a8_mm_triton(permute_columns(a, config.block_k), packed, a_scale, w_scale, bias, s_rel,
-                                         table, 16, out.dtype, config, out=out)
+    a = permute_columns(a, config.block_k, plane_run(s_rel is not None))
+    return triton_w4_gemm.w4a8_mm_triton(a, packed, a_scale, w_scale, bias, s_rel, table, 16, out.dtype, config,
+                                         out=out)
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ flight): decode and MMA take turns. Here the schedule is written out by hand.
   programs shared an SM. Triton 3.6's ``warpgroup_mma_wait`` cannot keep 8-bit values alive.)
 * ``_w4a8_gluon_ws_kernel``: warp-specialized (Triton 3.6's ``gl.warp_specialize`` signature): a TMA
   loader warp, four decoder warps and the four MMA warps, meeting at mbarriers.
-* Both: the activation halves (evens, odds: ``act_quant(..., perm_block=BLOCK_K)``) and the packed
-  weight tile arrive by TMA into a ring of ``STAGES`` stages. The codebook decode is the Triton
+* Both: the activation halves (``act_quant(..., perm_block=BLOCK_K, perm_run=plane_run(codebook))``) and
+  the packed weight tile arrive by TMA into a ring of ``STAGES`` stages. The codebook decode is the Triton
   kernel's inline PTX, except for the group scale byte: a row's 8 scale bytes of one K tile are one
   int64 load, and a byte permute picks each code word's (``_ROW_CODEBOOK_PTX``). The int32 sums are
   exact and the epilogue is the Triton kernel's arithmetic in the same order, so the output is the
@@ -98,10 +98,10 @@ def _warps(block_n: int, num_warps: int) -> list[int]:
 # $2 the code word, $3 the 8 scale bytes ($4-$6: the same), $7 the word's group index in every byte,
 # $8 the table's address ($9-$11: the same).
 _ROW_CODEBOOK_PTX = tl.constexpr(_CODEBOOK_PTX.value.replace(
-    "{ .reg .b32 x, y, a, b, h, t0, t1, t2, t3; .reg .b64 r; and.b32 x, $3, 0xFF; mul.wide.u32 r, x, 16; "
-    "add.s64 r, r, $4; ",
-    "{ .reg .b32 x, y, a, b, h, t0, t1, t2, t3, lo, hi; .reg .b64 r; mov.b64 {lo, hi}, $3; prmt.b32 x, lo, hi, $7; "
-    "and.b32 x, x, 0xFF; mul.wide.u32 r, x, 16; add.s64 r, r, $8; "))
+    "{ .reg .b32 sa, sb, v, a, b, c, d, ma, mb, t0, t1, t2, t3; .reg .b64 r; mul.wide.u32 r, $3, 16; "
+    "add.s64 r, r, $7; ",
+    "{ .reg .b32 x, sa, sb, v, a, b, c, d, ma, mb, t0, t1, t2, t3, lo, hi; .reg .b64 r; mov.b64 {lo, hi}, $3; "
+    "prmt.b32 x, lo, hi, $7; and.b32 x, x, 0xFF; mul.wide.u32 r, x, 16; add.s64 r, r, $8; "))
 assert _ROW_CODEBOOK_PTX.value != _CODEBOOK_PTX.value
 
 # Diagnostics only (``DECODE`` > 0 gives wrong sums): 1 = the group scale bytes not loaded (a constant

@@ -226,7 +226,7 @@ def worker_main(args) -> int:
     import torch
 
     device = torch.device(args.device)
-    from lowbit.kernels.ops import permute_columns
+    from lowbit.kernels.ops import permute_columns, plane_run
 
     tasks = [tuple(t.split("@")) for t in args.tasks.split(",") if t]
     problems = {(shape, kind): make_problem(*shape, kind, device, seed=1) for shape in worker_problems(args.smoke)
@@ -251,7 +251,7 @@ def worker_main(args) -> int:
                                         dtype=torch.bfloat16)
                     out = buffer[:m, :n]
                     start = time.perf_counter()
-                    run_w4(problem, permute_columns(problem["a"], config.block_k), config, out,
+                    run_w4(problem, permute_columns(problem["a"], config.block_k, plane_run(kind == "codebook")), config, out,
                            alt=name.endswith(ALT))
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
@@ -428,7 +428,7 @@ def measure_kind(m, n, k, kind, names, prechecks, args, device, bf16_us) -> dict
     """Every config on one problem: bit-exact against the pointer-epilogue reference, and timed."""
     import torch
 
-    from lowbit.kernels.ops import permute_columns
+    from lowbit.kernels.ops import permute_columns, plane_run
 
     entry = {"configs": {}}
     problem = make_problem(m, n, k, kind, device)
@@ -436,7 +436,7 @@ def measure_kind(m, n, k, kind, names, prechecks, args, device, bf16_us) -> dict
 
     def perm(block_k):
         if block_k not in perms:
-            perms[block_k] = permute_columns(problem["a"], block_k)
+            perms[block_k] = permute_columns(problem["a"], block_k, plane_run(kind == "codebook"))
         return perms[block_k]
 
     ref_config = reference_config(m)

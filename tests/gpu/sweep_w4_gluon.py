@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             for kind in args.kinds:
                 prob = sweep.make_problem(m, n, k, kind, device)
                 ref_cfg = sweep.reference_config(m)
-                ref = sweep.run_w4(prob, _perm(prob["a"], ref_cfg.block_k), ref_cfg,
+                ref = sweep.run_w4(prob, _perm(prob["a"], ref_cfg.block_k, kind), ref_cfg,
                                    torch.empty(m, n, device=device, dtype=torch.bfloat16))
                 copies = sweep.copies_for(prob["packed"].numel(), args.rotate_mb)
                 packs = [prob["packed"]] + [prob["packed"].clone() for _ in range(copies - 1)]
@@ -87,11 +87,11 @@ def main(argv=None) -> int:
 
                 for name in TRITON[kind]:
                     cfg = GemmConfig.from_name(name)
-                    ap = _perm(prob["a"], cfg.block_k)
+                    ap = _perm(prob["a"], cfg.block_k, kind)
                     entry["triton"][name] = timed(lambda p, ap=ap, cfg=cfg: sweep.run_w4(prob, ap, cfg, out, packed=p))
                 for name in args.configs:
                     cfg = GemmConfig.from_name(name)
-                    ap = _perm(prob["a"], cfg.block_k)
+                    ap = _perm(prob["a"], cfg.block_k, kind)
 
                     def gluon(p, ap=ap, cfg=cfg, decode=0, into=out):
                         return w4a8_mm_gluon(ap, p, prob["a_scale"], prob["w_scale"], prob["bias"], prob["s_rel"],
@@ -135,11 +135,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _perm(a, block_k: int):
-    """``a``'s columns in blocks of ``block_k``: the evens, then the odds (the W4 kernels' activation order)."""
-    from lowbit.kernels.ops import permute_columns
+def _perm(a, block_k: int, kind: str):
+    """``a``'s columns in blocks of ``block_k``, in the W4 kernels' plane order for the weight ``kind``."""
+    from lowbit.kernels.ops import permute_columns, plane_run
 
-    return permute_columns(a, block_k)
+    return permute_columns(a, block_k, plane_run(kind == "codebook"))
 
 
 if __name__ == "__main__":
