@@ -257,7 +257,7 @@ def _permute_codes(q, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, PERM_BLOCK: tl
                    PERM_RUN: tl.constexpr):
     """``q`` (``[BLOCK_M, WIDTH]``) with the columns of every ``PERM_BLOCK`` reordered as
     ``ops.permute_columns``: the even runs of ``PERM_RUN`` columns first, then the odd runs (in registers:
-    stores stay wide)."""
+    stores stay wide). Run 1 keeps its own 4-D form: the same order, the code the kernels were measured with."""
     if PERM_RUN == 1:
         q = tl.reshape(q, (BLOCK_M, WIDTH // PERM_BLOCK, PERM_BLOCK // 2, 2))
         q = tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BLOCK_M, WIDTH))

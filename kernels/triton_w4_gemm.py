@@ -6,7 +6,7 @@ into two INT8 planes of half the tile's columns each, which feed the INT8 tensor
 (Hopper has no INT4 MMA); the product is exact in int32.
 
 No re-interleaving: the activation codes arrive with the columns of every ``BLOCK_K`` block
-permuted to match the planes (``act_quant(..., perm_block=BLOCK_K, perm_run=plane_run(codebook))``),
+permuted to match the planes (``act_quant(..., perm_block=BLOCK_K, perm_run=ops.plane_run(codebook))``),
 so each K step is two dots, ``A_first @ plane0.T + A_second @ plane1.T``, over contiguous halves of
 the activation tile. Signed nibbles: the planes are the low nibbles (even columns) and the high
 nibbles (odd columns), evens first. Codebook: the planes are the first and last 4 columns of every 8
@@ -59,7 +59,6 @@ import triton.language as tl
 from .backend import capability, interpreting
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
-from .ops import plane_run  # noqa: F401  (the planes' activation order, named in the docstrings)
 from .triton_w8a8_gemm import _sm_count, _split_k_total, split_k_shares
 
 log = logging.getLogger(__name__)
@@ -283,7 +282,7 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
                    group_size: int, out_dtype: torch.dtype, config: GemmConfig,
                    out: torch.Tensor | None = None, ptx: bool | None = None) -> torch.Tensor:
     """Launch :func:`_w4a8_mm_kernel`. ``a``'s columns must be permuted in blocks of ``config.block_k``
-    in runs of :func:`plane_run` (``permute_columns(a, config.block_k, plane_run(codebook))``).
+    in runs of ``ops.plane_run(codebook)`` (``ops.permute_columns(a, config.block_k, ops.plane_run(codebook))``).
     ``s_rel``/``table`` given ⇒ codebook decode (a group size that is a multiple of 8), else signed nibbles.
 
     The config's flags pick the variant: ``tma`` (operand tiles through TMA descriptors),

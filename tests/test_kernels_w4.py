@@ -96,6 +96,18 @@ def test_w4_small_m_configs_are_exact(codebook, config, m):
     assert torch.equal(out, int8_accumulate_reference(a, decode_w4_reference(packed, *args, 16)).float())
 
 
+def test_codebook_gemm_refuses_groups_of_part_words():
+    """The codebook planes take a packed word's 8 codes from one group: a group size that is not a multiple of 8
+    is refused before any launch (the dispatcher's Triton candidates already leave such weights out)."""
+    from lowbit.kernels.triton_w4_gemm import w4a8_mm_triton
+
+    a, packed = randint8(4, 128, seed=1), _packed(8, 128, seed=2)
+    s_rel = torch.ones(8, 32).to(FP8)
+    with pytest.raises(ValueError, match="group_size 4"):
+        w4a8_mm_triton(a, packed, torch.ones(4, 1), torch.ones(8), None, s_rel, w4a8_level_table(CODEBOOK), 4,
+                       torch.float32, GemmConfig(32, 32, 64, 4, 4, 2))
+
+
 def test_w4_op_checks_the_activation_order():
     a, packed = randint8(4, 128, seed=1), _packed(8, 128, seed=2)
     ones = (torch.ones(4, 1), torch.ones(8))
