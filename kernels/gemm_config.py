@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 # shared memory per block (bytes) by compute capability; Triton needs a little for itself
 _SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024}
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?(-tmastore)?(-sub)?(?:-k(\d+))?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?(-tmastore)?(-sub)?(?:-k(\d+))?(-join)?$")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class GemmConfig:
     tma_store: bool = False  # the output tile leaves through a TMA store (contiguous outputs; else plain stores)
     subtile: bool = False  # with tma_store: the tile is stored as two BLOCK_N / 2 halves (half the staging buffer)
     split_k: int = 1  # INT8 products only: K split over this many programs per tile, summed exactly in int32
+    join: bool = False  # W4 kernel only: the two decoded planes side by side, one dot (one wgmma group) per K step
 
     def __post_init__(self):
         for value, what in ((self.block_m, "block_m"), (self.block_n, "block_n"), (self.block_k, "block_k")):
@@ -49,7 +50,7 @@ class GemmConfig:
         return (base + ("-swap" if self.swap_ab else "") + ("-tma" if self.tma else "")
                 + ("-ws" if self.warp_specialize else "") + ("-persistent" if self.persistent else "")
                 + ("-tmastore" if self.tma_store else "") + ("-sub" if self.subtile else "")
-                + (f"-k{self.split_k}" if self.split_k > 1 else ""))
+                + (f"-k{self.split_k}" if self.split_k > 1 else "") + ("-join" if self.join else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "GemmConfig":
@@ -60,7 +61,7 @@ class GemmConfig:
         return cls(bm, bn, bk, g, w, s, swap_ab=match.group(7) is not None, tma=match.group(8) is not None,
                    warp_specialize=match.group(9) is not None, persistent=match.group(10) is not None,
                    tma_store=match.group(11) is not None, subtile=match.group(12) is not None,
-                   split_k=int(match.group(13) or 1))
+                   split_k=int(match.group(13) or 1), join=match.group(14) is not None)
 
     def smem_bytes(self, a_bytes: float = 1.0, b_bytes: float = 1.0, c_bytes: float = 2.0) -> int:
         """Pipeline buffers: ``num_stages`` A and B tiles (element sizes in bytes), plus the staging
@@ -145,7 +146,7 @@ _W4_SMALL = (
 # packed tile decoded once) were slower than these everywhere: 0.41-0.85x.
 _W4_SPLIT_K = (C(64, 128, 128, 8, 4, 4, swap_ab=True, split_k=2), C(128, 128, 128, 8, 4, 4, swap_ab=True, split_k=4))
 _W4_CODEBOOK_SPLIT_K = (C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, split_k=2),
-                        C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, split_k=4))
+                        C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, split_k=4, join=True))
 
 
 # Few rows (M <= 32): the per-block modulation linears of Flux, Qwen-Image and the like see one row a call at
@@ -173,7 +174,13 @@ _W4_CODEBOOK_FEW_ROWS = (C(16, 64, 128, 8, 4, 4, split_k=2), C(16, 64, 128, 8, 4
 #   M = 512 1.15 -> 1.25.
 # * codebook W4: M = 32 0.82 -> 1.07, M = 64 0.69 -> 0.91 (64-row tiles, so each weight tile is decoded
 #   once), M = 128 0.74 -> 0.75; M = 256 and 512 unchanged (0.72).
-# Every output bit for bit the one-program config's. The bands end where the dispatcher's M buckets do, so a
+# Every output bit for bit the one-program config's.
+# Session 40, H100, Triton 3.6 (the same sweep with --also-join, M = 256): the codebook configs of 65-512 rows
+# with their two decoded planes joined (one dot, so one wgmma wait, a K step): 128x32x128 TMA in and out, with
+# and without 2 shares, 1.01-1.23x as fast as with two dots on every issue shape; 128x64x128 TMA 1.00-1.14x
+# (kept beside its two-dot form, which 513-1024 rows use), its 4 shares 1.01-1.11x (its 2 shares: 0.96-1.06x,
+# left with two dots); 256x128x128 at 4 stages 1-4 % faster than at 3 on every shape. Best config per shape,
+# geomean against bf16: 0.886x -> 0.923x. The bands end where the dispatcher's M buckets do, so a
 # bucket is measured with one candidate list whichever of its M comes first.
 @dataclass(frozen=True)
 class _RowBand:
@@ -196,8 +203,10 @@ _ROW_BANDS = (
     _RowBand(33, 128, w4_codebook=(C(64, 32, 256, 8, 4, 3), C(64, 64, 128, 8, 4, 4, swap_ab=True))),
     _RowBand(33, 512, w8a8=(C(64, 64, 128, 8, 4, 4, tma=True),), int8_split=(C(64, 64, 128, 8, 4, 4, split_k=2),),
              w4=(C(64, 64, 128, 8, 4, 4, swap_ab=True), C(64, 64, 256, 8, 4, 3, swap_ab=True))),
-    _RowBand(65, 512, w4_codebook=(C(128, 32, 128, 8, 4, 4, tma=True, tma_store=True),
-                                   C(128, 32, 128, 8, 4, 4, tma=True, tma_store=True, split_k=2))),
+    _RowBand(65, 512, w4_codebook=(C(128, 32, 128, 8, 4, 4, tma=True, tma_store=True, join=True),
+                                   C(128, 32, 128, 8, 4, 4, tma=True, tma_store=True, split_k=2, join=True),
+                                   C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, join=True),
+                                   C(256, 128, 128, 8, 8, 4, tma=True, tma_store=True, subtile=True))),
 )
 
 

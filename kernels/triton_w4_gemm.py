@@ -33,6 +33,12 @@ Two decodes:
 ``SWAP_AB`` computes the transposed tile (the decoded weight as the left operand, which Hopper's
 ``wgmma`` can take from registers) and stores it transposed; the dispatcher measures both.
 
+``join`` (``JOIN``) puts the two decoded planes side by side, ``[BLOCK_N, BLOCK_K]``: the first half of the
+tile's K the first plane, the second half the other, which is the order the activation's permuted columns
+already have. So each K step is one dot, over one activation tile (one TMA copy of ``[BLOCK_M, BLOCK_K]``),
+instead of two: Triton waits for every INT8 ``wgmma`` group right after issuing it (its accumulator is int32),
+and one group a K step drains the tensor cores once instead of twice. Same integer sums, same output bits.
+
 sm_90 variants, picked by the :class:`GemmConfig` flags (the dispatcher measures them too):
 
 * ``tma`` – the activation halves arrive by TMA (bulk tensor copies into shared memory, pipelined),
@@ -139,14 +145,14 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
 def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride_am, stride_wn, stride_sn,
              CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
              TMA_A: tl.constexpr, TMA_W: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOIN: tl.constexpr):
     """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``, over the K tiles
     ``[k_first, k_last)`` (K is a multiple of ``BLOCK_K``: checked by the launcher).
 
     ``TMA_A`` / ``TMA_W``: ``a`` / ``w`` is a TMA descriptor (blocks ``[BLOCK_M, BLOCK_K / 2]`` /
-    ``[BLOCK_N, BLOCK_K / 2]``: the even and odd halves of the activation tile are two copies, so
-    each lands in shared memory as the tensor-core operand it is); rows past ``M`` / ``N`` arrive as
-    zeros. Otherwise it is a pointer, read at clamped (valid) rows."""
+    ``[BLOCK_N, BLOCK_K / 2]``: the two halves of the activation tile are two copies, so each lands in
+    shared memory as the tensor-core operand it is; with ``JOIN`` one copy of ``[BLOCK_M, BLOCK_K]``); rows
+    past ``M`` / ``N`` arrive as zeros. Otherwise it is a pointer, read at clamped (valid) rows."""
     HALF: tl.constexpr = BLOCK_K // 2
     offs_n = off_n + tl.arange(0, BLOCK_N)
     rows_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)  # the group-scale rows (codebook)
@@ -155,6 +161,8 @@ def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride
         offs_m = off_m + tl.arange(0, BLOCK_M)
         rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
         a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + (k_first * BLOCK_K + offs_h)[None, :]
+        a_full_ptrs = (a + rows_a[:, None].to(tl.int64) * stride_am
+                       + (k_first * BLOCK_K + tl.arange(0, BLOCK_K))[None, :])  # JOIN: the whole tile
     if not TMA_W:
         w_ptrs = w + rows_b[:, None].to(tl.int64) * stride_wn + (k_first * HALF + offs_h)[None, :]
     if SWAP_AB:
@@ -162,7 +170,13 @@ def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k in range(k_first, k_last):
-        if TMA_A:
+        if JOIN:
+            if TMA_A:
+                a_tile = a.load([off_m, k * BLOCK_K])
+            else:
+                a_tile = tl.load(a_full_ptrs)
+                a_full_ptrs += BLOCK_K
+        elif TMA_A:
             a_even = a.load([off_m, k * BLOCK_K])
             a_odd = a.load([off_m, k * BLOCK_K + HALF])
         else:
@@ -176,7 +190,14 @@ def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride
             w_ptrs += HALF
         low, high = _decode_w4(packed, s_ptr, table_ptr, rows_b, k * HALF, stride_sn,
                                CODEBOOK, GROUP, USE_PTX, BLOCK_N, HALF)
-        if SWAP_AB:
+        if JOIN:
+            # the two planes side by side: the tile's first and second halves of K, as the activation's columns are
+            w_tile = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+            if SWAP_AB:
+                acc = tl.dot(w_tile, tl.trans(a_tile), acc, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(a_tile, tl.trans(w_tile), acc, out_dtype=tl.int32)
+        elif SWAP_AB:
             acc = tl.dot(low, tl.trans(a_even), acc, out_dtype=tl.int32)
             acc = tl.dot(high, tl.trans(a_odd), acc, out_dtype=tl.int32)
         else:
@@ -228,7 +249,7 @@ def _w4a8_mm_kernel(
     CODEBOOK: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PTX: tl.constexpr,
     SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, JOIN: tl.constexpr,
 ):
     """One output tile a program, or (``PERSISTENT``) a grid of at most one program per SM walking the
     tiles in the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the
@@ -243,7 +264,7 @@ def _w4a8_mm_kernel(
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, 0, K // BLOCK_K,
                            stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
+                           BLOCK_M, BLOCK_N, BLOCK_K, JOIN)
             _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                       HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
     else:
@@ -255,7 +276,7 @@ def _w4a8_mm_kernel(
             k_last = tl.minimum(k_last, k_first + K_TILES_PER_SPLIT)
         acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, k_first, k_last, stride_am,
                        stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       BLOCK_K, JOIN)
         if SPLIT_K > 1:
             acc, last = _split_k_total(acc, ws_ptr, lock_ptr, tl.program_id(0), tl.program_id(1), SPLIT_K,
                                        BLOCK_M, BLOCK_N)
@@ -310,7 +331,7 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     tma_w = config.tma and tma_ok and _describable(packed) and _TMA_WEIGHT[codebook]
     tma_store = config.tma_store and tma_ok and out.dtype in _STORABLE and _describable(out)
     subtile = tma_store and config.subtile
-    a_arg = tma_descriptor(a, (config.block_m, half)) if tma_a else a
+    a_arg = tma_descriptor(a, (config.block_m, config.block_k if config.join else half)) if tma_a else a
     w_arg = tma_descriptor(packed, (config.block_n, half)) if tma_w else packed
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
@@ -370,7 +391,8 @@ def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, ha
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
                 SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
                 SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent, SPLIT_K=splits,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                JOIN=config.join)
 
 
 _LAUNCHER = TritonLauncher(_w4a8_mm_kernel)

@@ -242,7 +242,8 @@ def test_row_bands_are_offered_in_their_bands_and_end_at_dispatch_buckets():
 
 
 def test_config_names_round_trip_and_reject_garbage():
-    for config in CONFIGS + SPLIT_K + [GemmConfig(64, 128, 128, 8, 4, 4, swap_ab=True)]:
+    for config in CONFIGS + SPLIT_K + [GemmConfig(64, 128, 128, 8, 4, 4, swap_ab=True),
+                                       GemmConfig(128, 32, 128, 8, 4, 4, tma=True, tma_store=True, split_k=2, join=True)]:
         assert GemmConfig.from_name(config.name) == config
         assert config_named(config.name) is config_named(config.name)
     with pytest.raises(ValueError, match="config name"):

@@ -1,5 +1,6 @@
-"""The W4 GEMM's TMA variants (operand loads, TMA-store epilogue whole or in halves, persistent) give
-the pointer kernel's output bit for bit, write every tile and nothing past the output's shape.
+"""The W4 GEMM's TMA variants (operand loads, TMA-store epilogue whole or in halves, persistent, the decoded
+planes joined into one dot) give the pointer kernel's output bit for bit, write every tile and nothing past
+the output's shape.
 
 Run in Triton's CPU interpreter, which emulates the TMA descriptors: odd M and N (partial tiles, M and
 N smaller than one tile), outputs written into a view of a larger poisoned buffer, bias on and off,
@@ -39,6 +40,11 @@ VARIANTS = {
     "split-k2": dict(split_k=2),
     "swap-split-k3": dict(swap_ab=True, split_k=3),
     "tma-tmastore-sub-split-k4": dict(tma=True, tma_store=True, subtile=True, split_k=4),
+    # the two decoded planes joined into one tile (one dot a K step): pointer and TMA loads, swap-AB, split-K
+    "join": dict(join=True),
+    "tma-tmastore-join": dict(tma=True, tma_store=True, join=True),
+    "swap-tma-tmastore-join-k128": dict(swap_ab=True, tma=True, tma_store=True, join=True, block_k=128),
+    "swap-split-k3-join": dict(swap_ab=True, split_k=3, join=True),
 }
 K = 256
 CODEBOOK = torch.tensor(ck_w4a8._FIXED_LUT)
@@ -119,7 +125,7 @@ def test_tma_variant_equals_pointer_kernel(variant, codebook, bias, shape, dtype
     half = config.block_k // 2
     want = []
     if config.tma:
-        want.append((torch.int8, (config.block_m, half)))
+        want.append((torch.int8, (config.block_m, config.block_k if config.join else half)))
         if triton_w4_gemm._TMA_WEIGHT[codebook]:
             want.append((torch.int8, (config.block_n, half)))
     if config.tma_store:

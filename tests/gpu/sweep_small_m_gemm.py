@@ -10,11 +10,14 @@ sum, or a lock left counting, shows up as a mismatch). One JSON report::
 
 ``--shapes mod`` takes the per-block modulation linears of Flux and Qwen-Image instead (one row a call at
 batch 1: ``--m 1,2``), and ``--extra`` adds configs the dispatcher does not have yet, by name, to every kind.
+``--also-join`` measures each W4 config a second time with its decoded planes joined (``GemmConfig.join``: one
+dot a K step), compared bit for bit with the two-dot config's output.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -32,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default="int8,w4,w4cb", help="comma-separated subset of int8, w4, w4cb")
     p.add_argument("--shapes", default="issue", choices=sorted(SHAPES))
     p.add_argument("--extra", default="", help="comma-separated config names measured besides the candidates")
+    p.add_argument("--also-join", action="store_true",
+                   help="W4 kinds: also measure every config with its two decoded planes joined (GemmConfig.join)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -54,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = [GemmConfig.from_name(name) for name in args.extra.split(",") if name]
     rows, failures = [], []
     start = time.perf_counter()
+
+    def w4_configs(configs):
+        configs = list(dict.fromkeys(configs))
+        return configs + [dataclasses.replace(c, join=True) for c in configs if not c.join] if args.also_join else configs
 
     def graph_us(fn):
         return triton.testing.do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median") * 1000.0
@@ -81,15 +90,16 @@ def main(argv: list[str] | None = None) -> int:
                     operands = (s_rel, table) if codebook else (None, None)
                     jobs += [(kind, c, lambda c=c, operands=operands: w4a8_mm_triton(
                                 a, packed, sa, sb, bias, *operands, 16, torch.bfloat16, c))
-                             for c in dict.fromkeys([*w4_candidates(cap, m, codebook=codebook), *extra])]
+                             for c in w4_configs(w4_candidates(cap, m, codebook=codebook) + extra)]
             reference = {}
             for kind, config, fn in jobs:
                 name = f"{kind} {config.name}"
                 try:
                     outs = [fn() for _ in range(5)]
-                    ref = reference.setdefault((kind, config.block_k), outs[0] if config.split_k == 1 else None)
+                    one_dot = config.split_k == 1 and not config.join
+                    ref = reference.setdefault((kind, config.block_k), outs[0] if one_dot else None)
                     same = all(torch.equal(o, outs[0]) for o in outs)
-                    if ref is not None and config.split_k > 1:
+                    if ref is not None and not one_dot:  # split-K and joined planes: the plain config's bits
                         same = same and torch.equal(outs[0], ref)
                     if not same:
                         failures.append(f"m={m} n={n} k={k} {name}: outputs differ")
@@ -105,16 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for m in sorted({r["m"] for r in rows}):
         for kind in kinds:
-            for split in (False, True):
+            subsets = {"with split-K": lambda c: True, "without split-K": lambda c: c.split_k == 1}
+            if args.also_join and kind != "int8":
+                subsets.update({"two dots a K step": lambda c: not c.join, "joined planes": lambda c: c.join})
+            for label, keep in subsets.items():
                 ratios = []
                 for r in (r for r in rows if r["m"] == m):
                     times = [t for name, t in r.items() if name.startswith(kind + " ")
-                             and (split or GemmConfig.from_name(name.split(" ", 1)[1]).split_k == 1)]
+                             and keep(GemmConfig.from_name(name.split(" ", 1)[1]))]
                     if times:
                         ratios.append(r["bf16_us"] / min(times))
                 if ratios:
-                    summary[f"m={m} {kind} {'with' if split else 'without'} split-K"] = math.exp(
-                        sum(map(math.log, ratios)) / len(ratios))
+                    summary[f"m={m} {kind} {label}"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
     for key, value in summary.items():
         print(f"geomean vs bf16, {key}: {value:.3f}x")
     for line in failures:
