@@ -274,3 +274,29 @@ def test_swap_ab_variants_decode_each_plane_once_into_registers(tmp_path):
         assert row["decode_blocks"] == 2 and row["staged_i8_tiles"] == 0, (name, row)
     row = results[f"{plain}/nibbles"]
     assert row["decode_blocks"] == 2 and row["staged_i8_tiles"] == 2, row
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend (ptxas) is not installed")
+def test_joined_planes_compile_to_one_wgmma_group_a_k_step(tmp_path):
+    """``GemmConfig.join`` (the 65-512-row codebook configs): the two decoded planes side by side make one dot a K
+    step, so one ``wgmma`` wait where the two-plane form has two (Triton waits for every INT8 group at once), with
+    the same shared memory, on sm_90 and without spilling, swap-AB included."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "gpu" / "sweep_w4_gemm.py"
+    two = ["128x32x128-g8-w4-s4-tma-tmastore-k2", "64x64x128-g8-w4-s4-swap"]
+    report_path = tmp_path / "compile.json"
+    done = subprocess.run([sys.executable, str(script), "--compile-only", "--workers", "2", "--kinds", "codebook",
+                           "--configs", *two, *(name + "-join" for name in two), "--out", str(report_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    results = json.loads(report_path.read_text())["results"]
+    for name in two:
+        plain, joined = results[f"{name}/codebook"], results[f"{name}-join/codebook"]
+        assert "error" not in plain and "error" not in joined, (plain, joined)
+        assert plain["dot_waits"] == 2 and joined["dot_waits"] == 1, (name, plain, joined)
+        assert joined["fits_sm90"] and joined["shared_bytes"] == plain["shared_bytes"], (name, plain, joined)
+        assert joined.get("spill_store_bytes") in (0, None), (name, joined)

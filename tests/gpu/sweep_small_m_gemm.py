@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def w4_configs(configs):
         configs = list(dict.fromkeys(configs))
-        return configs + [dataclasses.replace(c, join=True) for c in configs if not c.join] if args.also_join else configs
+        if not args.also_join:
+            return configs
+        return configs + [dataclasses.replace(c, join=True) for c in configs if not c.join]
 
     def graph_us(fn):
         return triton.testing.do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median") * 1000.0

@@ -333,9 +333,9 @@ def run_workers(names: list[str], kinds, args, deadline: float) -> dict:
 
 def offline_compile(name: str, kind: str, arch: int = 90) -> dict:
     """Compile one variant for ``sm_<arch>`` on any machine (Triton's own ptxas; no GPU, no interpreter):
-    its shared memory, two facts of its TTGIR (``decode_blocks``, ``staged_i8_tiles``), and with
-    ``ptxas -v`` its registers and spill stores. The signature is what the
-    launcher passes at the measured shapes (16-aligned pointers and sizes, bf16 output and bias)."""
+    its shared memory, three facts of its TTGIR (``decode_blocks``, ``staged_i8_tiles``, ``dot_waits``), and
+    with ``ptxas -v`` its registers and spill stores. The signature is what the launcher passes at the
+    measured shapes (16-aligned pointers and sizes, bf16 output and bias)."""
     import re
 
     import triton
@@ -348,7 +348,8 @@ def offline_compile(name: str, kind: str, arch: int = 90) -> dict:
     tma_store = config.tma_store
     half, store_n = config.block_k // 2, config.block_n // (2 if tma_store and config.subtile else 1)
     codebook = kind == "codebook"
-    runtime = [f"tensordesc<i8[{config.block_m}, {half}]>" if config.tma else "*i8", None,
+    a_block = config.block_k if config.join else half  # joined planes: the activation tile in one copy
+    runtime = [f"tensordesc<i8[{config.block_m}, {a_block}]>" if config.tma else "*i8", None,
                f"tensordesc<bf16[{config.block_m}, {store_n}]>" if tma_store else "*bf16",
                "*fp32", "*fp32", "*bf16", "*u8" if codebook else "*i8", "*i8", "*i32", "*i32"] + ["i32"] * 8
     tma_w = config.tma and (_TMA_WEIGHT[codebook] != name.endswith(ALT))
@@ -370,7 +371,9 @@ def offline_compile(name: str, kind: str, arch: int = 90) -> dict:
            # the inline-PTX decode blocks in the kernel, and the int8 tiles made in registers and then written to
            # shared memory (a decoded plane on its way to a wgmma operand in shared memory)
            "decode_blocks": ttgir.count("tt.elementwise_inline_asm"),
-           "staged_i8_tiles": len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor<[0-9x]+xi8", ttgir))}
+           "staged_i8_tiles": len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor<[0-9x]+xi8", ttgir)),
+           # the waits for wgmma groups (one per dot: Triton keeps no INT8 wgmma in flight)
+           "dot_waits": ttgir.count("ttng.warp_group_dot_wait")}
     ptxas = getattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "ptxas", None)
     ptxas = getattr(ptxas, "path", None)
     if ptxas and os.path.isfile(ptxas):
