@@ -160,9 +160,11 @@ def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride
     if not TMA_A:
         offs_m = off_m + tl.arange(0, BLOCK_M)
         rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-        a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + (k_first * BLOCK_K + offs_h)[None, :]
-        a_full_ptrs = (a + rows_a[:, None].to(tl.int64) * stride_am
-                       + (k_first * BLOCK_K + tl.arange(0, BLOCK_K))[None, :])  # JOIN: the whole tile
+        if JOIN:  # the whole tile
+            a_full_ptrs = (a + rows_a[:, None].to(tl.int64) * stride_am
+                           + (k_first * BLOCK_K + tl.arange(0, BLOCK_K))[None, :])
+        else:  # its first half (the second is HALF columns on)
+            a_even_ptrs = a + rows_a[:, None].to(tl.int64) * stride_am + (k_first * BLOCK_K + offs_h)[None, :]
     if not TMA_W:
         w_ptrs = w + rows_b[:, None].to(tl.int64) * stride_wn + (k_first * HALF + offs_h)[None, :]
     if SWAP_AB:

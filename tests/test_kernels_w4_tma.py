@@ -224,22 +224,27 @@ def _ptxas() -> str | None:
     return path if path and __import__("os").path.isfile(path) else None
 
 
-@pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend (ptxas) is not installed")
-def test_tma_variants_compile_for_sm90_without_a_gpu(tmp_path):
-    """The interpreter never lowers the kernel: compile TMA variants for sm_90 offline (what the GPU
-    will compile) and check they fit in shared memory; the 8-warp 128x128 one spills no registers."""
+def _compile_report(tmp_path, *args: str) -> dict:
+    """``tests/gpu/sweep_w4_gemm.py --compile-only`` (2 workers) with ``args``: its per-variant results."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent / "gpu" / "sweep_w4_gemm.py"
-    names = ["128x128x128-g8-w8-s3-tma-tmastore", "128x256x128-g8-w8-s3-tma-persistent-tmastore-sub"]
     report_path = tmp_path / "compile.json"
-    done = subprocess.run([sys.executable, str(script), "--compile-only", "--workers", "2", "--alt-kinds",
-                           "--configs", *names, "--out", str(report_path)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), "--compile-only", "--workers", "2", *args,
+                           "--out", str(report_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    results = json.loads(report_path.read_text())["results"]
+    return json.loads(report_path.read_text())["results"]
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend (ptxas) is not installed")
+def test_tma_variants_compile_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter never lowers the kernel: compile TMA variants for sm_90 offline (what the GPU
+    will compile) and check they fit in shared memory; the 8-warp 128x128 one spills no registers."""
+    names = ["128x128x128-g8-w8-s3-tma-tmastore", "128x256x128-g8-w8-s3-tma-persistent-tmastore-sub"]
+    results = _compile_report(tmp_path, "--alt-kinds", "--configs", *names)
     assert set(results) == {f"{name}/{kind}" for name in names for kind in ("nibbles", "codebook")}
     for key, row in results.items():
         assert "error" not in row, f"{key}: {row.get('error')}"
@@ -255,19 +260,8 @@ def test_swap_ab_variants_decode_each_plane_once_into_registers(tmp_path):
     per plane, and no decoded tile written to shared memory. With both planes out of one inline-PTX block,
     Triton 3.8 decoded the tile twice and staged one plane through shared memory (0.87x bf16 at M = 256 on an
     H200, against 0.97x with one block per plane). The non-swap form stages each plane once, as its operand."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent / "gpu" / "sweep_w4_gemm.py"
     swapped, plain = ["128x128x128-g8-w4-s4-swap", "64x128x128-g8-w4-s4-swap-k2"], "128x128x128-g8-w4-s4"
-    report_path = tmp_path / "compile.json"
-    done = subprocess.run([sys.executable, str(script), "--compile-only", "--workers", "2", "--kinds", "nibbles",
-                           "--configs", *swapped, plain, "--out", str(report_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    results = json.loads(report_path.read_text())["results"]
+    results = _compile_report(tmp_path, "--kinds", "nibbles", "--configs", *swapped, plain)
     for name in swapped:
         row = results[f"{name}/nibbles"]
         assert "error" not in row, row
@@ -281,19 +275,8 @@ def test_joined_planes_compile_to_one_wgmma_group_a_k_step(tmp_path):
     """``GemmConfig.join`` (the 65-512-row codebook configs): the two decoded planes side by side make one dot a K
     step, so one ``wgmma`` wait where the two-plane form has two (Triton waits for every INT8 group at once), with
     the same shared memory, on sm_90 and without spilling, swap-AB included."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent / "gpu" / "sweep_w4_gemm.py"
     two = ["128x32x128-g8-w4-s4-tma-tmastore-k2", "64x64x128-g8-w4-s4-swap"]
-    report_path = tmp_path / "compile.json"
-    done = subprocess.run([sys.executable, str(script), "--compile-only", "--workers", "2", "--kinds", "codebook",
-                           "--configs", *two, *(name + "-join" for name in two), "--out", str(report_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    results = json.loads(report_path.read_text())["results"]
+    results = _compile_report(tmp_path, "--kinds", "codebook", "--configs", *two, *(name + "-join" for name in two))
     for name in two:
         plain, joined = results[f"{name}/codebook"], results[f"{name}-join/codebook"]
         assert "error" not in plain and "error" not in joined, (plain, joined)
