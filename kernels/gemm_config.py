@@ -246,16 +246,14 @@ def w4_candidates(cap: tuple[int, int], m: int, codebook: bool = False) -> list[
             or [C(64, 64, 64, 8, 4, 2)])
 
 
-# The W4 "expand" candidates (the weight decoded into a temporary INT8 matrix, then the W8A8 GEMM): the
-# INT8 GEMM configs the dispatcher settled on most often for Flux-dev's shapes (session 8 step logs).
-_W4_EXPAND_LARGE = (C(128, 128, 128, 8, 4, 3, tma=True, tma_store=True), C(128, 128, 128, 8, 8, 3))
-_W4_EXPAND_SMALL = (C(64, 128, 128, 8, 4, 4), C(128, 128, 128, 8, 4, 4))
-
-
+# The W4 "expand" candidates (the weight decoded into a temporary INT8 matrix, then the W8A8 GEMM). The expanded
+# weight is an INT8 weight like any other, so its GEMM gets the INT8 format's own list for the M bucket. Until
+# Session 41 it got a fixed pair (the configs Flux-dev's step logs settled on most in session 8), which at
+# M <= 1024 had no TMA config: there the INT8 format's dispatcher takes 128x128x128 with TMA in and out
+# (docs/kernels.md, Session 41).
 def w4_expand_candidates(cap: tuple[int, int], m: int) -> list[GemmConfig]:
     """INT8 GEMM configs for a 4-bit weight expanded to INT8 per call (``kernels/triton_w4_expand.py``)."""
-    pool = _W4_EXPAND_SMALL if m <= 1024 else _W4_EXPAND_LARGE
-    return [c for c in pool if c.fits(cap) and (not c.tma or cap >= (9, 0))] or [C(64, 64, 64, 8, 4, 2)]
+    return w8a8_candidates(cap, m)
 
 
 # The W8A16 kernel (``triton_w8a16_gemm.py``) for few rows, bound by the weight's bytes: 16-row tiles, 256-deep K

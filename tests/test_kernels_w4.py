@@ -268,12 +268,15 @@ def _run_with_decision(fn, fmt: str, m: int, n: int, k: int, name: str):
 
 
 @needs_triton_interpreter()
-@pytest.mark.parametrize("kind", ["w4a8", "w4a4/a8", "w4a4/a4"])
-def test_expanded_candidate_gives_the_in_register_kernels_bits(kind):
+@pytest.mark.parametrize("kind,expand_config", [("w4a8", None), ("w4a4/a8", None), ("w4a4/a4", None),
+                                                ("w4a8", "32x32x64-g4-w4-s2-tma-tmastore"),
+                                                ("w4a8", "32x32x64-g4-w4-s2-k2")])
+def test_expanded_candidate_gives_the_in_register_kernels_bits(kind, expand_config):
     """The ``triton:expand-`` candidate (weight expanded to INT8, then the W8A8 GEMM) sums the same int32
     products as the in-register W4 GEMM and scales them in the same order: the same output, bit for bit.
     (The dispatcher offers it for codebook weights only, but a cached decision naming it runs it for
-    signed nibbles too: the bits must match there as well.)"""
+    signed nibbles too: the bits must match there as well.) The expanded weight's GEMM takes the INT8
+    format's candidates, so TMA in and out and split-K too (``expand_config``; else the CPU default)."""
     import comfy_kitchen as ck
 
     from lowbit.kernels.gemm_config import default_config
@@ -292,7 +295,7 @@ def test_expanded_candidate_gives_the_in_register_kernels_bits(kind):
         def fn():
             return w4a4_linear(x, qweight, wscales, bias, out_dtype=torch.float32, act_bits=int(kind[-1]))
     in_register = _run_with_decision(fn, kind, m, n, k, f"triton:{default_config(m, 'w4').name}")
-    expanded = _run_with_decision(fn, kind, m, n, k, f"triton:expand-{default_config(m).name}")
+    expanded = _run_with_decision(fn, kind, m, n, k, f"triton:expand-{expand_config or default_config(m).name}")
     assert torch.isfinite(expanded).all() and expanded.abs().max() > 0
     assert torch.equal(expanded, in_register)
 
