@@ -237,13 +237,14 @@ def test_codebook_ptx_decode_picks_the_table_levels(seed):
 
 
 @needs_triton_interpreter()
+@pytest.mark.parametrize("k", [256, 384])
 @pytest.mark.parametrize("codebook", [False, True])
-def test_expanded_weight_is_the_decoded_levels(codebook):
+def test_expanded_weight_is_the_decoded_levels(codebook, k):
     """``expand_w4_int8``: the packed weight's INT8 levels in natural column order, every row written
-    (70 rows: a partial row tile), for both weight kinds."""
+    (70 rows: a partial row tile), for both weight kinds, in 256-column steps and (K = 384) 128-column ones."""
     from lowbit.kernels.triton_w4_expand import expand_w4_int8
 
-    n, k = 70, 256
+    n = 70
     packed = _packed(n, k, seed=21)
     s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(22)) * 60 + 4).to(FP8)
     args = (s_rel, w4a8_level_table(CODEBOOK)) if codebook else (None, None)
