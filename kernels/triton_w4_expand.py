@@ -27,7 +27,7 @@ from .triton_w4_gemm import _decode_w4, _use_ptx
 log = logging.getLogger(__name__)
 
 BLOCK_N = 64
-BLOCK_K = 128  # the least K step; 256 where K allows (Session 41, H100: 3-10 % faster at Flux's shapes)
+BLOCK_K = 128  # the least K step; 256 where K allows (Session 41, H100: 2-10 % faster at the issue shapes)
 
 
 @triton.jit
