@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             out = torch.empty_like(ref)
 
             def run(out=out, block_k=block_k):
-                te._launch(packed, s_rel, table, 16, out, True, te._ptx_checked.get((dev.index, 16), False), block_k)
+                te._launch(packed, s_rel, table, 16, out, True, te._ptx_checked[(packed.device.index, 16)], block_k)
 
             run()
             row[f"step_{block_k}_us"] = triton.testing.do_bench(run, rep=a.rep_ms) * 1e3
