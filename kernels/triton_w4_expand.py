@@ -31,13 +31,15 @@ BLOCK_K = 128  # the least K step; 256 where K allows (Session 41, H100: 2-10 % 
 
 
 @triton.jit
-def _w4_expand_kernel(w, s_ptr, table_ptr, out, N, stride_wn, stride_sn, stride_on,
-                      CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expand_tile(w, s_ptr, table_ptr, out, N, off_n, off_k, stride_wn, stride_sn, stride_on,
+                 CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``[off_n, off_n + BLOCK_N)`` and columns ``[off_k, off_k + BLOCK_K)`` of the levels, written to ``out``
+    (rows past ``N`` are not). Also the decode half of the experiment ``tests/gpu/overlap_w4_gemm.py``."""
     HALF: tl.constexpr = BLOCK_K // 2
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
     rows = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    k_byte0 = tl.program_id(1) * HALF
+    k_byte0 = off_k // 2
     offs_h = tl.arange(0, HALF)
     packed = tl.load(w + rows[:, None].to(tl.int64) * stride_wn + k_byte0 + offs_h[None, :])
     low, high = _decode_w4(packed, s_ptr, table_ptr, rows, k_byte0, stride_sn, CODEBOOK, GROUP, USE_PTX,
@@ -47,8 +49,16 @@ def _w4_expand_kernel(w, s_ptr, table_ptr, out, N, stride_wn, stride_sn, stride_
         levels = tl.reshape(tl.permute(pairs, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
     else:
         levels = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # byte j's two nibbles: columns 2j, 2j + 1
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_k = off_k + tl.arange(0, BLOCK_K)
     tl.store(out + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :], levels, mask=(offs_n < N)[:, None])
+
+
+@triton.jit
+def _w4_expand_kernel(w, s_ptr, table_ptr, out, N, stride_wn, stride_sn, stride_on,
+                      CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _expand_tile(w, s_ptr, table_ptr, out, N, tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_K,
+                 stride_wn, stride_sn, stride_on, CODEBOOK, GROUP, USE_PTX, BLOCK_N, BLOCK_K)
 
 
 _LAUNCHER = TritonLauncher(_w4_expand_kernel)
@@ -57,14 +67,19 @@ _ptx_checked: dict[tuple, bool] = {}
 
 
 def expand_w4_int8(packed: torch.Tensor, s_rel: torch.Tensor | None, table: torch.Tensor | None,
-                   group_size: int, ptx: bool | None = None) -> torch.Tensor:
+                   group_size: int, ptx: bool | None = None, block_k: int | None = None) -> torch.Tensor:
     """The INT8 ``[N, K]`` levels of a packed ``[N, K/2]`` 4-bit weight: signed nibbles without
     ``s_rel``/``table``, else the codebook levels ``table[s_rel, code]``. ``ptx`` (tests) forces the
-    inline-PTX decode on or off."""
+    inline-PTX decode on or off; ``block_k`` (tests, benchmarks) the columns a program expands (128 or 256;
+    default: 256 where K allows)."""
     n, half = packed.shape
     k = 2 * half
     if k % BLOCK_K:
         raise ValueError(f"expanding a 4-bit weight needs K ({k}) to be a multiple of {BLOCK_K}")
+    if block_k is None:
+        block_k = 2 * BLOCK_K if k % (2 * BLOCK_K) == 0 else BLOCK_K
+    elif block_k not in (BLOCK_K, 2 * BLOCK_K) or k % block_k:
+        raise ValueError(f"expand block_k must be {BLOCK_K} or {2 * BLOCK_K} and divide K ({k}), got {block_k}")
     packed = packed.view(torch.int8)
     out = torch.empty((n, k), dtype=torch.int8, device=packed.device)
     if n == 0:
@@ -77,7 +92,6 @@ def expand_w4_int8(packed: torch.Tensor, s_rel: torch.Tensor | None, table: torc
         use_ptx = _ptx_checked[key]
     if check and torch.cuda.is_current_stream_capturing():
         check, use_ptx = False, False  # the gathers, this once: no comparison inside a graph capture
-    block_k = 2 * BLOCK_K if k % (2 * BLOCK_K) == 0 else BLOCK_K
     _launch(packed, s_rel, table, group_size, out, codebook, use_ptx and not check, block_k)
     if check:
         trial = torch.empty_like(out)

@@ -251,8 +251,12 @@ def test_expanded_weight_is_the_decoded_levels(codebook, k):
     out = expand_w4_int8(packed, *args, 16)
     assert out.dtype == torch.int8 and out.shape == (n, k)
     assert torch.equal(out, decode_w4_reference(packed, *args, 16))
+    if k % 256 == 0:  # the step width asked for: the same levels
+        assert torch.equal(expand_w4_int8(packed, *args, 16, block_k=128), out)
     with pytest.raises(ValueError, match="multiple of 128"):
         expand_w4_int8(_packed(4, 64, seed=1), None, None, 16)
+    with pytest.raises(ValueError, match="block_k must be 128 or 256 and divide K"):
+        expand_w4_int8(packed, *args, 16, block_k=256 if k % 256 else 64)
 
 
 def _run_with_decision(fn, fmt: str, m: int, n: int, k: int, name: str):
