@@ -259,6 +259,48 @@ def test_expanded_weight_is_the_decoded_levels(codebook, k):
         expand_w4_int8(packed, *args, 16, block_k=256 if k % 256 else 64)
 
 
+@needs_triton_interpreter()
+@pytest.mark.parametrize("codebook", [False, True])
+def test_overlapped_expand_experiment_gives_the_two_launches_bits(codebook):
+    """``tests/gpu/overlap_w4_gemm.py``, an experiment the dispatcher does not offer (measured slower): the weight
+    expanded and multiplied in one launch (tickets, release flags, the acquire wait) gives the expand kernel's
+    levels and the W8A8 GEMM's output bit for bit, with pointer and TMA operands, partial row and column tiles and
+    output tiles spanning two decode blocks; its counters and flags are back at zero after every launch."""
+    import importlib.util
+    from pathlib import Path
+
+    from lowbit.kernels.triton_w4_expand import expand_w4_int8
+    from lowbit.kernels.triton_w8a8_gemm import split_k_workspace, w8a8_mm_triton
+
+    spec = importlib.util.spec_from_file_location("overlap_w4_gemm",
+                                                  Path(__file__).resolve().parent / "gpu" / "overlap_w4_gemm.py")
+    overlap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlap)
+    m, n, k = 40, 136, 512  # 3 decode blocks of 64 rows, the last partial
+    packed = _packed(n, k, seed=31)
+    s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(32)) * 60 + 4).to(FP8)
+    args = (s_rel, w4a8_level_table(CODEBOOK)) if codebook else (None, None)
+    a = randint8(m, k, seed=33)
+    a_scale = torch.rand(m, generator=torch.Generator().manual_seed(34)) + 0.1
+    w_scale = torch.rand(n, generator=torch.Generator().manual_seed(35)) / 64 + 1e-3
+    bias = randn(n, seed=36, dtype=torch.bfloat16)
+    levels = expand_w4_int8(packed, *args, 16)
+    for name in ("32x32x64-g4-w4-s2", "32x128x128-g4-w4-s2-tma-tmastore"):
+        config = GemmConfig.from_name(name)
+        expected = w8a8_mm_triton(a, levels, a_scale, w_scale, bias, None, None, torch.float32, config)
+        poison = torch.full((m, n), float("nan"))
+        got_levels, out = overlap.w4_overlap_mm(a, packed, *args, 16, a_scale, w_scale, bias, torch.float32, config,
+                                                out=poison)
+        assert torch.equal(got_levels, levels) and torch.equal(out, expected), name
+        assert not split_k_workspace(torch.device("cpu"), 1, 2)[1].any(), "counters or flags left set"
+    with pytest.raises(ValueError, match="K % 256"):
+        overlap.w4_overlap_mm(a[:, :384], packed[:, :192], None, None, 16, a_scale, w_scale, bias, torch.float32,
+                              config)
+    with pytest.raises(ValueError, match="one program an output tile"):
+        overlap.w4_overlap_mm(a, packed, *args, 16, a_scale, w_scale, bias, torch.float32,
+                              GemmConfig.from_name("32x32x64-g4-w4-s2-k2"))
+
+
 def _run_with_decision(fn, fmt: str, m: int, n: int, k: int, name: str):
     """``fn()`` with the dispatcher's choice for ``fmt`` at this shape set to candidate ``name``."""
     from lowbit.kernels.backend import capability
