@@ -180,8 +180,11 @@ _W4_CODEBOOK_FEW_ROWS = (C(16, 64, 128, 8, 4, 4, split_k=2), C(16, 64, 128, 8, 4
 # and without 2 shares, 1.01-1.23x as fast as with two dots on every issue shape; 128x64x128 TMA 1.00-1.14x
 # (kept beside its two-dot form, which 513-1024 rows use), its 4 shares 1.01-1.11x (its 2 shares: 0.96-1.06x,
 # left with two dots); 256x128x128 at 4 stages 1-4 % faster than at 3 on every shape. Best config per shape,
-# geomean against bf16: 0.886x -> 0.923x. The bands end where the dispatcher's M buckets do, so a
-# bucket is measured with one candidate list whichever of its M comes first.
+# geomean against bf16: 0.886x -> 0.923x. Session 42, H100, the same sweep with --extra: 256-column K steps
+# (joined planes, so the activation tile arrives in one copy) halve the K loop's waits and barriers. 128x64x256,
+# 3 stages: 3072 x 3072 0.72x -> 0.84x; 256x64x256, 8 warps, 3 stages, 2 shares: 3072 x 12288 0.93x -> 1.16x. Best
+# config per shape, geomean 0.979x (docs/kernels.md, Session 42). The bands end where the dispatcher's M buckets
+# do, so a bucket is measured with one candidate list whichever of its M comes first.
 @dataclass(frozen=True)
 class _RowBand:
     low: int  # rows, inclusive
@@ -206,7 +209,9 @@ _ROW_BANDS = (
     _RowBand(65, 512, w4_codebook=(C(128, 32, 128, 8, 4, 4, tma=True, tma_store=True, join=True),
                                    C(128, 32, 128, 8, 4, 4, tma=True, tma_store=True, split_k=2, join=True),
                                    C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, join=True),
-                                   C(256, 128, 128, 8, 8, 4, tma=True, tma_store=True, subtile=True))),
+                                   C(256, 128, 128, 8, 8, 4, tma=True, tma_store=True, subtile=True),
+                                   C(128, 64, 256, 8, 4, 3, tma=True, tma_store=True, join=True),
+                                   C(256, 64, 256, 8, 8, 3, tma=True, tma_store=True, split_k=2, join=True))),
 )
 
 

@@ -104,7 +104,7 @@ def test_permuted_column_order(perm):
     assert torch.equal(permute_columns(q_ref, perm)[:, : perm // 2], q_ref[:, 0:perm:2])
 
 
-@pytest.mark.parametrize("perm,run", [(64, 4), (128, 4), (32, 16)])
+@pytest.mark.parametrize("perm,run", [(64, 4), (128, 4), (256, 4), (32, 16)])
 def test_permuted_runs_of_columns(perm, run):
     """``perm_run``: the even runs of ``run`` columns of every block, then the odd runs (the codebook W4
     kernel's planes: the first and last 4 columns of every 8)."""

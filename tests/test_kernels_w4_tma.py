@@ -45,6 +45,8 @@ VARIANTS = {
     "tma-tmastore-join": dict(tma=True, tma_store=True, join=True),
     "swap-tma-tmastore-join-k128": dict(swap_ab=True, tma=True, tma_store=True, join=True, block_k=128),
     "swap-split-k3-join": dict(swap_ab=True, split_k=3, join=True),
+    # 256-column K steps (the 65-512-row codebook band's 128x64x256 and 256x64x256, Session 42)
+    "tma-tmastore-join-k256": dict(tma=True, tma_store=True, join=True, block_k=256),
 }
 K = 256
 CODEBOOK = torch.tensor(ck_w4a8._FIXED_LUT)
@@ -283,3 +285,19 @@ def test_joined_planes_compile_to_one_wgmma_group_a_k_step(tmp_path):
         assert plain["dot_waits"] == 2 and joined["dot_waits"] == 1, (name, plain, joined)
         assert joined["fits_sm90"] and joined["shared_bytes"] == plain["shared_bytes"], (name, plain, joined)
         assert joined.get("spill_store_bytes") in (0, None), (name, joined)
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend (ptxas) is not installed")
+def test_256_column_codebook_configs_compile_for_sm90(tmp_path):
+    """The 65-512-row band's codebook configs with 256-column K steps (Session 42: 3072 x 3072 and 3072 x 12288
+    at M = 256): joined planes, so one ``wgmma`` wait a K step, within sm_90's shared memory, without spilling."""
+    from lowbit.kernels.gemm_config import w4_candidates
+
+    names = [c.name for c in w4_candidates((9, 0), 256, codebook=True) if c.block_k == 256]
+    assert len(names) == 2 and all(name.endswith("-join") for name in names), names
+    results = _compile_report(tmp_path, "--kinds", "codebook", "--configs", *names)
+    for name in names:
+        row = results[f"{name}/codebook"]
+        assert "error" not in row, (name, row)
+        assert row["dot_waits"] == 1 and row["fits_sm90"], (name, row)
+        assert row.get("spill_store_bytes") in (0, None), (name, row)
