@@ -38,9 +38,9 @@ among them can be noise (an H200 run, session 12: a split-K config slow on the G
 Host noise only ever adds time, and it can double a host-bound reading (an H100 machine, Session 42: a W4 plan of
 19 µs GPU time read 42 µs of sustained time in one run and 30-36 µs in another, where plans of its kind measured
 later in the process read 21 µs). So before the ties are drawn, a candidate outside them but under ``1 + recheck``
-(2x) the fastest is measured once more and keeps the lesser reading. Candidates whose GPU times are within ``gpu_tie`` of the least are then told apart by their sustained
-time: a TMA config 1 % faster on the GPU but 20 µs slower to launch (its descriptors) loses. Where GPU
-times of different backends tie too (within ``gpu_tie``, 5 %, of the least: e.g. few rows, a product
+(2x) the fastest is measured once more and keeps the lesser reading. Candidates whose GPU times are within
+``gpu_tie`` of the least are then told apart by their sustained time: a TMA config 1 % faster on the GPU but
+20 µs slower to launch (its descriptors) loses. Where GPU times of different backends tie too (within ``gpu_tie``, 5 %, of the least: e.g. few rows, a product
 bound by the weight's bytes), the backend with the least *host* time wins: the CPU time one call takes
 to enqueue its work (measured as the candidate is called here, median of three batches). In an eager
 model such a call is bound by its launches, so a candidate that converts its tensors per call
@@ -238,7 +238,8 @@ class Dispatcher:
             if not timings:
                 raise BackendUnavailableError(f"every implementation failed for {text}: {failures}")
             best, tied = self._tied(timings)
-            again = [name for name in timings if name not in tied and timings[name] < timings[best] * (1.0 + self.recheck)]
+            again = [name for name in timings
+                     if name not in tied and timings[name] < timings[best] * (1.0 + self.recheck)]
             for name in again:  # a second look: the lesser of two readings (host noise only ever adds time)
                 try:
                     timings[name] = min(timings[name], _time_us(candidates[name], self.warmup, self.repeats))
@@ -273,8 +274,9 @@ class Dispatcher:
         """The fastest sustained time's candidate, and the candidates tied with it (``tie``, ``backend_tie``)."""
         best = min(timings, key=timings.get)
         family = best.split(":", 1)[0]
-        return best, [name for name in timings if timings[name] <= timings[best] * (1.0 + self.tie)
-                      or (name.split(":", 1)[0] == family and timings[name] <= timings[best] * (1.0 + self.backend_tie))]
+        limit, family_limit = timings[best] * (1.0 + self.tie), timings[best] * (1.0 + self.backend_tie)
+        return best, [name for name in timings if timings[name] <= limit
+                      or (name.split(":", 1)[0] == family and timings[name] <= family_limit)]
 
     def _least_host_time(self, text: str, candidates, gpu: dict[str, float], best: str) -> str:
         """Where candidates of another backend have a GPU time within ``gpu_tie`` of ``best``'s, the backend whose

@@ -130,7 +130,8 @@ def main(argv=None) -> int:
             log.info("M %5d  %5d x %5d  bf16 %.1f us | best: two launches %.1f (%.2fx)  overlap %.1f (%.2fx)  "
                      "in-register %.1f (%.2fx)  equal %s", m, n, k, row["bf16_us"], best["two_launches"],
                      row["best_vs_bf16"]["two_launches"], best["overlap"], row["best_vs_bf16"]["overlap"],
-                     best["in_register"], row["best_vs_bf16"]["in_register"], all(v is True for v in row["equal"].values()))
+                     best["in_register"], row["best_vs_bf16"]["in_register"],
+                     all(v is True for v in row["equal"].values()))
             Path(args.out).write_text(json.dumps(report, indent=1))
     for m in args.m:
         rows = [r for r in report["rows"] if r["m"] == m]
