@@ -35,7 +35,8 @@ def quantized(float_model):
 @pytest.fixture
 def measuring(monkeypatch, tmp_path):
     """A dispatcher with a cache file that 'measures' on any device: each candidate timed costs less
-    than the one before, so the last candidate offered wins (not the default, the first)."""
+    than the one before, so the last candidate offered wins (not the default, the first). One reading each
+    (``recheck=0``): a second reading would be cheaper still, whoever it was."""
     if on_cuda():
         pytest.skip("the stand-in timings are for the CPU; on a GPU the dispatcher measures for real")
     times = itertools.count()
@@ -46,7 +47,7 @@ def measuring(monkeypatch, tmp_path):
         return 1000.0 - next(times)
     monkeypatch.setattr(Dispatcher, "_can_measure", lambda self, device: True)
     monkeypatch.setattr(dispatch, "_time_us", fake_time)
-    d = Dispatcher(cache_path=tmp_path / "kernel_dispatch.json", tie=0.0)
+    d = Dispatcher(cache_path=tmp_path / "kernel_dispatch.json", tie=0.0, recheck=0.0)
     with use_dispatcher(d):
         yield d, timed
 
