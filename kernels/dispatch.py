@@ -36,16 +36,16 @@ among them can be noise (an H200 run, session 12: a split-K config slow on the G
 15 % ahead of three configs 20 % faster on the GPU). Not wider: a TMA config's descriptors cost it
 20-40 % more sustained time there, a real cost in an eager model, and 50 % let them in.
 Host noise only ever adds time, and it can double a host-bound reading (an H100 machine, Session 42: a W4 plan of
-19 µs GPU time read 42 µs of sustained time in one run and 30-36 µs in another, where plans of its kind measured
-later in the process read 21 µs). So before the ties are drawn, a candidate outside them but under ``1 + recheck``
-(2x) the fastest is measured once more and keeps the lesser reading. Candidates whose GPU times are within
-``gpu_tie`` of the least are then told apart by their sustained time: a TMA config 1 % faster on the GPU but
-20 µs slower to launch (its descriptors) loses. Where GPU times of different backends tie too (within ``gpu_tie``, 5 %, of the least: e.g. few rows, a product
-bound by the weight's bytes), the backend with the least *host* time wins: the CPU time one call takes
-to enqueue its work (measured as the candidate is called here, median of three batches). In an eager
-model such a call is bound by its launches, so a candidate that converts its tensors per call
-(comfy-kitchen's DLPack hand-off) loses to one that launches directly, at no GPU cost. Configs of one
-backend are not told apart this way: they launch alike.
+19 µs GPU time read 42 µs of sustained time in one run and 30-36 µs in another, where plans of its kind measured later
+in the process read 21 µs). So before the ties are drawn, a candidate outside them but under ``1 + recheck`` (2x)
+the fastest is measured once more and keeps the lesser reading. Candidates whose GPU times are within ``gpu_tie`` of
+the least are then told apart by their sustained time: a TMA config 1 % faster on the GPU but 20 µs slower to launch
+(its descriptors) loses. Where GPU times of different backends tie too (within ``gpu_tie``, 5 %, of the least: e.g.
+few rows, a product bound by the weight's bytes), the backend with the least *host* time wins: the CPU time one call
+takes to enqueue its work (measured as the candidate is called here, median of three batches). In an eager model
+such a call is bound by its launches, so a candidate that converts its tensors per call (comfy-kitchen's DLPack
+hand-off) loses to one that launches directly, at no GPU cost. Configs of one backend are not told apart this way:
+they launch alike.
 
 A candidate that fails because the GPU cannot run its configuration at all (Triton's
 ``OutOfResources``: too much shared memory) is recorded per GPU capability in ``broken`` (and the
