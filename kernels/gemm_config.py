@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 # shared memory per block (bytes) by compute capability; Triton needs a little for itself
 _SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024}
-_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?(-tmastore)?(-sub)?(?:-k(\d+))?(-join)?$")
+_NAME = re.compile(r"^(\d+)x(\d+)x(\d+)-g(\d+)-w(\d+)-s(\d+)(-swap)?(-tma)?(-ws)?(-persistent)?(-tmastore)?(-sub)?"
+                   r"(?:-k(\d+))?(-sk)?(-join)?$")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class GemmConfig:
     subtile: bool = False  # with tma_store: the tile is stored as two BLOCK_N / 2 halves (half the staging buffer)
     split_k: int = 1  # INT8 products only: K split over this many programs per tile, summed exactly in int32
     join: bool = False  # W4 kernel only: the two decoded planes side by side, one dot (one wgmma group) per K step
+    stream_k: bool = False  # W4 kernel only: one program per SM, each a contiguous share of all tiles' K steps
 
     def __post_init__(self):
         for value, what in ((self.block_m, "block_m"), (self.block_n, "block_n"), (self.block_k, "block_k")):
@@ -42,6 +44,9 @@ class GemmConfig:
         if self.split_k < 1 or (self.split_k > 1 and self.persistent):
             raise ValueError(f"GemmConfig.split_k must be >= 1, and > 1 only without persistent, "
                              f"got split_k={self.split_k}")
+        if self.stream_k and (self.persistent or self.split_k > 1):
+            raise ValueError("GemmConfig.stream_k shares K steps over the SMs itself: it excludes persistent "
+                             "and split_k > 1")
 
     @property
     def name(self) -> str:
@@ -50,7 +55,8 @@ class GemmConfig:
         return (base + ("-swap" if self.swap_ab else "") + ("-tma" if self.tma else "")
                 + ("-ws" if self.warp_specialize else "") + ("-persistent" if self.persistent else "")
                 + ("-tmastore" if self.tma_store else "") + ("-sub" if self.subtile else "")
-                + (f"-k{self.split_k}" if self.split_k > 1 else "") + ("-join" if self.join else ""))
+                + (f"-k{self.split_k}" if self.split_k > 1 else "") + ("-sk" if self.stream_k else "")
+                + ("-join" if self.join else ""))
 
     @classmethod
     def from_name(cls, name: str) -> "GemmConfig":
@@ -61,7 +67,8 @@ class GemmConfig:
         return cls(bm, bn, bk, g, w, s, swap_ab=match.group(7) is not None, tma=match.group(8) is not None,
                    warp_specialize=match.group(9) is not None, persistent=match.group(10) is not None,
                    tma_store=match.group(11) is not None, subtile=match.group(12) is not None,
-                   split_k=int(match.group(13) or 1), join=match.group(14) is not None)
+                   split_k=int(match.group(13) or 1), stream_k=match.group(14) is not None,
+                   join=match.group(15) is not None)
 
     def smem_bytes(self, a_bytes: float = 1.0, b_bytes: float = 1.0, c_bytes: float = 2.0) -> int:
         """Pipeline buffers: ``num_stages`` A and B tiles (element sizes in bytes), plus the staging

@@ -49,6 +49,9 @@ sm_90 variants, picked by the :class:`GemmConfig` flags (the dispatcher measures
   columns past the output's shape); ``subtile`` stores it as two ``BLOCK_N / 2`` halves, half the
   staging buffer. The scale / bias arithmetic is the pointer epilogue's, in the same order.
 * ``persistent`` – one program per SM walks the tiles in the grouped order.
+* ``stream_k`` – one program per SM too, but each takes an equal, contiguous run of all tiles' K steps (tile
+  after tile), so a grid of fewer tiles than SMs (M = 256 at N = 3072-15360) still keeps every SM busy; a tile
+  shared between programs is summed exactly in an int32 workspace that starts and ends at zero.
 
 A flag whose requirement is missing (a GPU older than sm_90; a tensor that is not row-major with a
 16-byte-aligned base and row stride) runs that part through pointers instead: same results.
@@ -65,7 +68,7 @@ import triton.language as tl
 from .backend import capability, interpreting
 from .gemm_config import GemmConfig
 from .launcher import TritonLauncher, tma_descriptor
-from .triton_w8a8_gemm import _sm_count, _split_k_total, split_k_shares
+from .triton_w8a8_gemm import _sm_count, _split_k_total, split_k_shares, split_k_workspace
 
 log = logging.getLogger(__name__)
 
@@ -252,14 +255,41 @@ def _w4a8_mm_kernel(
     SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, JOIN: tl.constexpr,
+    STREAM_K: tl.constexpr,
 ):
     """One output tile a program, or (``PERSISTENT``) a grid of at most one program per SM walking the
     tiles in the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the
     next tile's loads. (The stride is ``tl.num_programs``, not a constexpr: a grid smaller than the SM
     count, for a small output, needs no compile of its own.) ``SPLIT_K`` > 1 (not persistent): program
     ``(tile, s)`` sums its share of the K tiles and the last share of a tile to finish writes it
-    (``triton_w8a8_gemm._split_k_total``)."""
-    if PERSISTENT:
+    (``triton_w8a8_gemm._split_k_total``). ``STREAM_K``: the K steps of all tiles, tile after tile, are
+    shared out evenly over the programs (one a SM), each taking a contiguous run of them: whole tiles are
+    written directly, a tile split between programs is summed in the (zeroed) workspace and written by
+    the program that completes its count of K steps (:func:`_stream_k_total`)."""
+    if STREAM_K:
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = K // BLOCK_K
+        total = (num_pid_m * num_pid_n * k_tiles).to(tl.int64)
+        it = (tl.program_id(0) * total // tl.num_programs(0)).to(tl.int32)
+        end = ((tl.program_id(0) + 1) * total // tl.num_programs(0)).to(tl.int32)
+        while it < end:
+            tile = it // k_tiles
+            k_first = it - tile * k_tiles
+            k_last = tl.minimum(k_tiles, k_first + (end - it))
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, k_first, k_last,
+                           stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W,
+                           BLOCK_M, BLOCK_N, BLOCK_K, JOIN)
+            whole = (k_first == 0) & (k_last == k_tiles)
+            if (k_first != 0) | (k_last != k_tiles):
+                acc, whole = _stream_k_total(acc, ws_ptr, lock_ptr, tile, k_last - k_first, k_tiles,
+                                             BLOCK_M, BLOCK_N)
+            if whole:
+                _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                          stride_cm, HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
+            it += k_last - k_first
+    elif PERSISTENT:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=True):
@@ -288,6 +318,25 @@ def _w4a8_mm_kernel(
         else:
             _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                       HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _stream_k_total(acc, ws_ptr, lock_ptr, tile, steps, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stream-K's partial tiles: add ``acc`` (``steps`` of the tile's ``k_tiles`` K steps) into the tile's
+    workspace tile and count the steps in on its lock; the program whose steps complete the count reads the
+    sum (integer sums: exact, in any order), puts the workspace tile and the lock back to zero for the next
+    launch, and returns ``(sum, True)``; the others ``(acc, False)``."""
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    base = ws_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N)
+    tl.atomic_add(base + offs, acc, sem="relaxed", scope="gpu")
+    tl.debug_barrier()  # every thread's share is added before the count (release at GPU scope)
+    done = tl.atomic_add(lock_ptr + tile, steps, sem="acq_rel", scope="gpu") + steps
+    last = done == k_tiles
+    if last:
+        acc = tl.load(base + offs, cache_modifier=".cg")
+        tl.store(base + offs, tl.zeros_like(acc), cache_modifier=".cg")
+        tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return acc, last
 
 
 @triton.jit
@@ -338,10 +387,16 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     c_arg = tma_descriptor(out, (config.block_m, config.block_n // (2 if subtile else 1))) if tma_store else out
     programs = min(tiles, _sm_count(a.device)) if config.persistent else tiles
     splits, per_split, ws, locks = split_k_shares(a, config, tiles, k // config.block_k)
+    stream_k = config.stream_k
+    if stream_k:  # one program a SM (at most one a K step); without a workspace (a graph capture), one a tile
+        held = split_k_workspace(a.device, tiles * config.block_m * config.block_n, tiles, zeroed=True)
+        if held is not None:
+            ws, locks = held
+            programs = min(_sm_count(a.device), tiles * (k // config.block_k))
     grid = (programs, splits)
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
                                    use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,
-                                   tma_store=tma_store, splits=splits)
+                                   tma_store=tma_store, splits=splits, stream_k=stream_k)
     args = (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
             s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed, ws, locks,
             m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0), per_split)
@@ -387,14 +442,14 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, grid:
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
-                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1) -> dict:
+                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1, stream_k: bool = False) -> dict:
     """The constexpr arguments of :func:`_w4a8_mm_kernel`, in parameter order, for one variant
     (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
                 SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
                 SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent, SPLIT_K=splits,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                JOIN=config.join)
+                JOIN=config.join, STREAM_K=stream_k)
 
 
 _LAUNCHER = TritonLauncher(_w4a8_mm_kernel)

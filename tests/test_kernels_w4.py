@@ -96,6 +96,53 @@ def test_w4_small_m_configs_are_exact(codebook, config, m):
     assert torch.equal(out, int8_accumulate_reference(a, decode_w4_reference(packed, *args, 16)).float())
 
 
+@needs_triton_interpreter()
+@pytest.mark.parametrize("sms", [3, 4, 7])
+@pytest.mark.parametrize("codebook", [False, True])
+def test_stream_k_shares_k_steps_and_leaves_its_workspace_at_zero(codebook, sms, monkeypatch):
+    """Stream-K (``GemmConfig.stream_k``) on 3, 4 and 7 "SMs": programs that take a whole tile and part of the
+    next, several programs on one tile (one with more programs than the tile has K steps), two launches in a
+    row; each output the exact int32 product, and the workspace and the locks back at zero after each launch.
+    Without a workspace (as inside a CUDA-graph capture) it runs one program a tile, with the same bits."""
+    from lowbit.kernels import triton_w4_gemm, triton_w8a8_gemm
+
+    monkeypatch.setattr(triton_w8a8_gemm, "_workspaces", {})
+    monkeypatch.setattr(triton_w4_gemm, "_sm_count", lambda device: sms)
+    config = GemmConfig(32, 32, 64, 4, 4, 2, stream_k=True)
+    table = w4a8_level_table(CODEBOOK)
+    for m, n, k in ((37, 72, 320), (37, 72, 320), (5, 24, 448)):
+        a, packed = randint8(m, k, seed=m + k), _packed(n, k, seed=n + k)
+        s_rel = (torch.rand(n, k // 16, generator=torch.Generator().manual_seed(k)) * 60 + 4).to(FP8)
+        args = (s_rel, table) if codebook else (None, None)
+        expected = int8_accumulate_reference(a, decode_w4_reference(packed, *args, 16)).float()
+        a_perm = permute_columns(a, config.block_k, plane_run(codebook))
+
+        def run():
+            return triton_w4_gemm.w4a8_mm_triton(a_perm, packed, torch.ones(m, 1), torch.ones(n), None, *args, 16,
+                                                 torch.float32, config, out=torch.full((m, n), float("nan")))
+
+        assert torch.equal(run(), expected)
+        (ws, locks), = triton_w8a8_gemm._workspaces.values()
+        assert ws.numel() >= 6 * 32 * 32 and not ws.any() and not locks.any(), "workspace or locks left set"
+        with monkeypatch.context() as capture:
+            capture.setattr(triton_w4_gemm, "split_k_workspace", lambda *_, **__: None)
+            assert torch.equal(run(), expected)
+
+
+def test_stream_k_excludes_persistent_and_split_k_and_the_w8a8_gemm():
+    from lowbit.kernels.triton_w8a8_gemm import w8a8_mm_triton
+
+    for flags in (dict(persistent=True), dict(split_k=2)):
+        with pytest.raises(ValueError, match="stream_k"):
+            GemmConfig(32, 32, 64, stream_k=True, **flags)
+    config = GemmConfig(128, 64, 256, 8, 4, 3, tma=True, tma_store=True, join=True, stream_k=True)
+    assert config.name == "128x64x256-g8-w4-s3-tma-tmastore-sk-join" and GemmConfig.from_name(config.name) == config
+    a = randint8(4, 64, seed=1)
+    with pytest.raises(ValueError, match="stream-K is a W4 GEMM option"):
+        w8a8_mm_triton(a, a, torch.ones(4, 1), torch.ones(4), None, None, None, torch.float32,
+                       GemmConfig(32, 32, 64, 4, 4, 2, stream_k=True))
+
+
 def test_codebook_gemm_refuses_groups_of_part_words():
     """The codebook planes take a packed word's 8 codes from one group: a group size that is not a multiple of 8
     is refused before any launch (the dispatcher's Triton candidates already leave such weights out)."""

@@ -47,6 +47,11 @@ VARIANTS = {
     "swap-split-k3-join": dict(swap_ab=True, split_k=3, join=True),
     # 256-column K steps (the 65-512-row codebook band's 128x64x256 and 256x64x256, Session 42)
     "tma-tmastore-join-k256": dict(tma=True, tma_store=True, join=True, block_k=256),
+    # stream-K (the interpreter's 4 "SMs"; 37 x 72: 6 tiles of 4 K steps, so each program takes a whole tile and
+    # half of the next, or the other half and a whole one; 5 x 24: one tile, a K step a program)
+    "stream-k": dict(stream_k=True),
+    "tma-tmastore-sk-join": dict(tma=True, tma_store=True, join=True, stream_k=True),
+    "swap-sk-k128": dict(swap_ab=True, stream_k=True, block_k=128),
 }
 K = 256
 CODEBOOK = torch.tensor(ck_w4a8._FIXED_LUT)

@@ -355,7 +355,7 @@ def offline_compile(name: str, kind: str, arch: int = 90) -> dict:
     tma_w = config.tma and (_TMA_WEIGHT[codebook] != name.endswith(ALT))
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=GROUP, has_bias=True, use_ptx=True,
                                    tma_a=config.tma, tma_w=tma_w, tma_store=tma_store,
-                                   splits=1 if config.persistent else config.split_k)
+                                   splits=1 if config.persistent else config.split_k, stream_k=config.stream_k)
     runtime[1] = f"tensordesc<i8[{config.block_n}, {half}]>" if tma_w else "*i8"
     if len(kernel.arg_names) != len(runtime) + len(constexprs):
         raise RuntimeError(f"the kernel's parameters changed: {kernel.arg_names}; update offline_compile")
