@@ -469,8 +469,6 @@ def verify(device: torch.device) -> list[str]:
 
     locks = [held[1] for held in _workspaces.values()]
     check("split-K locks all back at zero after the checks", bool(locks) and not any(t.any().item() for t in locks))
-    zeroed = [held[0] for (_, is_zeroed), held in _workspaces.items() if is_zeroed]
-    check("stream-K workspace all back at zero after the checks", not any(t.any().item() for t in zeroed))
 
     rejected = [key for key, ok in (*_ptx_checked.items(), *_expand_checked.items()) if not ok]
     check("w4 codebook in-register decode accepted by every variant's first-call check", not rejected,

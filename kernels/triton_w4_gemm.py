@@ -51,7 +51,7 @@ sm_90 variants, picked by the :class:`GemmConfig` flags (the dispatcher measures
 * ``persistent`` – one program per SM walks the tiles in the grouped order.
 * ``stream_k`` – one program per SM too, but each takes an equal, contiguous run of all tiles' K steps (tile
   after tile), so a grid of fewer tiles than SMs (M = 256 at N = 3072-15360) still keeps every SM busy; a tile
-  shared between programs is summed exactly in an int32 workspace that starts and ends at zero.
+  shared between programs is summed exactly in int32 through split-K's workspace.
 
 A flag whose requirement is missing (a GPU older than sm_90; a tensor that is not row-major with a
 16-byte-aligned base and row stride) runs that part through pointers instead: same results.
@@ -264,8 +264,9 @@ def _w4a8_mm_kernel(
     ``(tile, s)`` sums its share of the K tiles and the last share of a tile to finish writes it
     (``triton_w8a8_gemm._split_k_total``). ``STREAM_K``: the K steps of all tiles, tile after tile, are
     shared out evenly over the programs (one a SM), each taking a contiguous run of them: whole tiles are
-    written directly, a tile split between programs is summed in the (zeroed) workspace and written by
-    the program that completes its count of K steps (:func:`_stream_k_total`)."""
+    written directly, a tile split between programs is summed through the workspace (``K_TILES_PER_SPLIT`` is
+    then its slots a tile) and written by the program that completes its count of K steps
+    (:func:`_stream_k_total`)."""
     if STREAM_K:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -283,8 +284,8 @@ def _w4a8_mm_kernel(
                            BLOCK_M, BLOCK_N, BLOCK_K, JOIN)
             whole = (k_first == 0) & (k_last == k_tiles)
             if (k_first != 0) | (k_last != k_tiles):
-                acc, whole = _stream_k_total(acc, ws_ptr, lock_ptr, tile, k_last - k_first, k_tiles,
-                                             BLOCK_M, BLOCK_N)
+                acc, whole = _stream_k_total(acc, ws_ptr, lock_ptr, tile, k_last - k_first, k_tiles, total,
+                                             K_TILES_PER_SPLIT, BLOCK_M, BLOCK_N)
             if whole:
                 _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
                           stride_cm, HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
@@ -321,20 +322,30 @@ def _w4a8_mm_kernel(
 
 
 @triton.jit
-def _stream_k_total(acc, ws_ptr, lock_ptr, tile, steps, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Stream-K's partial tiles: add ``acc`` (``steps`` of the tile's ``k_tiles`` K steps) into the tile's
-    workspace tile and count the steps in on its lock; the program whose steps complete the count reads the
-    sum (integer sums: exact, in any order), puts the workspace tile and the lock back to zero for the next
-    launch, and returns ``(sum, True)``; the others ``(acc, False)``."""
+def _stream_k_total(acc, ws_ptr, lock_ptr, tile, steps, k_tiles, total, slots, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Stream-K's shared tiles: the program leaves its partial tile (``steps`` of the tile's ``k_tiles`` K steps) in
+    the tile's workspace slot of its rank among the programs that share the tile (at most ``slots``), then counts
+    its steps in on the tile's lock; the program whose steps complete the count adds the other ranks' partial tiles
+    to its own (integer sums: exact, in any order), puts the lock back to zero and returns ``(sum, True)``; the
+    others ``(acc, False)``. Plain stores and loads, as split-K's (``_split_k_total``): a first form that added the
+    partial tiles into a zeroed workspace with atomic adds was slower than the whole-tile kernel (GPU, Session 43)."""
+    TILE: tl.constexpr = BLOCK_M * BLOCK_N
+    progs = tl.num_programs(0).to(tl.int64)
+    # the programs holding the tile's first and last K steps: program p starts at step p * total // progs
+    first = ((tile.to(tl.int64) * k_tiles + 1) * progs - 1) // total
+    last_pid = (((tile.to(tl.int64) + 1) * k_tiles) * progs - 1) // total
+    rank = tl.program_id(0) - first
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    base = ws_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N)
-    tl.atomic_add(base + offs, acc, sem="relaxed", scope="gpu")
-    tl.debug_barrier()  # every thread's share is added before the count (release at GPU scope)
+    base = ws_ptr + tile.to(tl.int64) * slots * TILE
+    tl.store(base + rank * TILE + offs, acc, cache_modifier=".cg")
+    tl.debug_barrier()  # every thread's part is written before the count (release at GPU scope)
     done = tl.atomic_add(lock_ptr + tile, steps, sem="acq_rel", scope="gpu") + steps
     last = done == k_tiles
     if last:
-        acc = tl.load(base + offs, cache_modifier=".cg")
-        tl.store(base + offs, tl.zeros_like(acc), cache_modifier=".cg")
+        for r in range(0, last_pid - first + 1):
+            if r != rank:
+                acc += tl.load(base + r * TILE + offs, cache_modifier=".cg")
         tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
     return acc, last
 
@@ -389,10 +400,14 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     splits, per_split, ws, locks = split_k_shares(a, config, tiles, k // config.block_k)
     stream_k = config.stream_k
     if stream_k:  # one program a SM (at most one a K step); without a workspace (a graph capture), one a tile
-        held = split_k_workspace(a.device, tiles * config.block_m * config.block_n, tiles, zeroed=True)
+        k_tiles = k // config.block_k
+        sk_programs = min(_sm_count(a.device), tiles * k_tiles)
+        # a tile's K steps meet at most this many programs' runs (each at least total // programs steps long)
+        per_split = (k_tiles - 2) // (tiles * k_tiles // sk_programs) + 2
+        held = split_k_workspace(a.device, tiles * per_split * config.block_m * config.block_n, tiles)
         if held is not None:
             ws, locks = held
-            programs = min(_sm_count(a.device), tiles * (k // config.block_k))
+            programs = sk_programs
     grid = (programs, splits)
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
                                    use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,

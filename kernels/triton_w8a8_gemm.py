@@ -330,21 +330,18 @@ def split_k_shares(a: torch.Tensor, config: GemmConfig, tiles: int, k_tiles: int
 # device -> (workspace, locks): the split-K scratch, grown when a launch needs more and never freed (a CUDA
 # graph may hold an earlier one). One per device: the kernels of one stream run in order, and LowBit's
 # layers run on the device's current stream; two split-K launches running at once on two streams of one
-# device would share it. The stream-K scratch (``zeroed``: the W4 kernel's ``stream_k`` configs add their
-# partial tiles into it) is a second one, all zero between launches.
-_workspaces: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+# device would share it.
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-def split_k_workspace(device: torch.device, elements: int, tiles: int,
-                      zeroed: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+def split_k_workspace(device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The int32 split-K workspace (at least ``elements``) and lock counters (at least ``tiles``, all zero
     between launches: each launch's last share puts its tile's back), both kept for later launches and
-    marked as replayable constants (their contents between launches never change). ``zeroed``: a separate
-    workspace that starts at zero and that its users leave at zero (stream-K). ``None`` where they would have
-    to be allocated during a CUDA-graph capture (the zeroing would only run when the graph is replayed): the
-    caller then runs the config without splitting K."""
-    held = _workspaces.get((device, zeroed))
+    marked as replayable constants (their contents between launches never change). ``None`` where they
+    would have to be allocated during a CUDA-graph capture (the zeroing would only run when the graph is
+    replayed): the caller then runs the config without splitting K."""
+    held = _workspaces.get(device)
     if held is not None and held[0].numel() >= elements and held[1].numel() >= tiles:
         return held
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -352,9 +349,9 @@ def split_k_workspace(device: torch.device, elements: int, tiles: int,
     if held is not None:
         _retired.append(held)
         elements, tiles = max(elements, held[0].numel()), max(tiles, held[1].numel())
-    held = (constant_tensor((torch.zeros if zeroed else torch.empty)(elements, dtype=torch.int32, device=device)),
+    held = (constant_tensor(torch.empty(elements, dtype=torch.int32, device=device)),
             constant_tensor(torch.zeros(tiles, dtype=torch.int32, device=device)))
-    _workspaces[(device, zeroed)] = held
+    _workspaces[device] = held
     return held
 
 

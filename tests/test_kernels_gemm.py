@@ -159,8 +159,7 @@ def test_split_k_workspace_is_kept_and_its_locks_left_at_zero(monkeypatch):
         assert not locks.any(), "a lock was left counting"
     assert not gemm._retired, "the workspace was replaced for a launch it already fits"
     gemm.split_k_workspace(torch.device("cpu"), ws.numel() + 1, locks.numel())
-    assert gemm._retired == [(ws, locks)]
-    assert gemm._workspaces[(torch.device("cpu"), False)][0].numel() == ws.numel() + 1
+    assert gemm._retired == [(ws, locks)] and gemm._workspaces[torch.device("cpu")][0].numel() == ws.numel() + 1
 
 
 def test_no_split_k_workspace_is_made_during_a_cuda_graph_capture(monkeypatch):

