@@ -190,8 +190,11 @@ _W4_CODEBOOK_FEW_ROWS = (C(16, 64, 128, 8, 4, 4, split_k=2), C(16, 64, 128, 8, 4
 # geomean against bf16: 0.886x -> 0.923x. Session 42, H100, the same sweep with --extra: 256-column K steps
 # (joined planes, so the activation tile arrives in one copy) halve the K loop's waits and barriers. 128x64x256,
 # 3 stages: 3072 x 3072 0.72x -> 0.84x; 256x64x256, 8 warps, 3 stages, 2 shares: 3072 x 12288 0.93x -> 1.16x. Best
-# config per shape, geomean 0.979x (docs/kernels.md, Session 42). The bands end where the dispatcher's M buckets
-# do, so a bucket is measured with one candidate list whichever of its M comes first.
+# config per shape, geomean 0.979x (docs/kernels.md, Session 42). Session 43, H100, the same sweep: 256x64x256 in
+# stream-K form (``stream_k``: 132 programs share the 144 x 12 K steps of 9216 x 3072) 0.78x -> 0.89x at 9216 x 3072,
+# 1.17x at 3072 x 12288 (2 shares: 1.16x); geomean 1.008x. Stream-K on 128-row or 256 x 128 tiles lost to their
+# whole-tile forms everywhere (their partial tiles cost more than the idle SMs). The bands end where the dispatcher's
+# M buckets do, so a bucket is measured with one candidate list whichever of its M comes first.
 @dataclass(frozen=True)
 class _RowBand:
     low: int  # rows, inclusive
@@ -218,7 +221,8 @@ _ROW_BANDS = (
                                    C(128, 64, 128, 8, 4, 4, tma=True, tma_store=True, join=True),
                                    C(256, 128, 128, 8, 8, 4, tma=True, tma_store=True, subtile=True),
                                    C(128, 64, 256, 8, 4, 3, tma=True, tma_store=True, join=True),
-                                   C(256, 64, 256, 8, 8, 3, tma=True, tma_store=True, split_k=2, join=True))),
+                                   C(256, 64, 256, 8, 8, 3, tma=True, tma_store=True, split_k=2, join=True),
+                                   C(256, 64, 256, 8, 8, 3, tma=True, tma_store=True, stream_k=True, join=True))),
 )
 
 

@@ -295,11 +295,12 @@ def test_joined_planes_compile_to_one_wgmma_group_a_k_step(tmp_path):
 @pytest.mark.skipif(_ptxas() is None, reason="Triton's NVIDIA backend (ptxas) is not installed")
 def test_256_column_codebook_configs_compile_for_sm90(tmp_path):
     """The 65-512-row band's codebook configs with 256-column K steps (Session 42: 3072 x 3072 and 3072 x 12288
-    at M = 256): joined planes, so one ``wgmma`` wait a K step, within sm_90's shared memory, without spilling."""
+    at M = 256; Session 43: 9216 x 3072 in stream-K form): joined planes, so one ``wgmma`` wait a K step, within
+    sm_90's shared memory, without spilling."""
     from lowbit.kernels.gemm_config import w4_candidates
 
     names = [c.name for c in w4_candidates((9, 0), 256, codebook=True) if c.block_k == 256]
-    assert len(names) == 2 and all(name.endswith("-join") for name in names), names
+    assert len(names) == 3 and all(name.endswith("-join") for name in names), names
     results = _compile_report(tmp_path, "--kinds", "codebook", "--configs", *names)
     for name in names:
         row = results[f"{name}/codebook"]
