@@ -70,15 +70,20 @@ TILE_ELEMENTS = 8192  # BLOCK_M * BLOCK_K per program (registers: 8192 fp32 over
 # 117 us at K = 15360 (four pieces), where "batched" over the padded row took 84 us (original 93).
 DEFAULT_ROTATE_IMPL = "batched"
 ROW_SPLITS = ("pow2", "pieces", "chunks")  # how a program holds its rows (see act_quant_triton)
-DEFAULT_SPLIT = "pieces"  # rotated rows whose width is at most two powers of two (else "pow2")
-DEFAULT_PLAIN_SPLIT = "pow2"  # rows without rotation (already at memory speed); outlier columns always "pow2"
+# Rows of at most two power-of-two pieces (3072 = 2048 + 1024, 12288 = 8192 + 4096) go unpadded ("pieces"),
+# rotated or not; wider ones (3+ pieces: slower) padded ("pow2"); outlier columns always "pow2". Rotated rows: measured
+# on an H200 (tests/gpu/bench_act_quant.py). Rows without rotation since Session 44, on an H100
+# (tests/gpu/probe_act_quant_small_m.py, CUDA-graph time, input warm in L2): the pieces at the default warps
+# (triton_act_quant_split._pieces_launch_shape) took 2.5 / 3.6 / 4.6 / 10.0 us at K = 3072 and M = 256 / 1024 /
+# 2048 / 4096 against 2.6 / 4.1 / 6.0 / 11.5 for the padded row, and 3.8 / 10.3 / 26.5 / 52.1 against 4.4 / 14.1 /
+# 30.3 / 55.6 at K = 12288. (At M = 4096, K = 3072 on an H200 with the input read from memory, Session 10's pieces at
+# 4 warps were 5 % slower than the padded row.)
+DEFAULT_SPLIT = "pieces"
 
 
 def default_split(k: int, rotate: bool) -> str:
-    """The row split used when none is asked for: :data:`DEFAULT_SPLIT` for rotated rows of at most two
-    power-of-two pieces, else the padded row (``"pow2"``); :data:`DEFAULT_PLAIN_SPLIT` without rotation."""
-    if not rotate:
-        return DEFAULT_PLAIN_SPLIT
+    """The row split used when none is asked for: :data:`DEFAULT_SPLIT` for rows of at most two power-of-two
+    pieces, rotated or not, else the padded row (``"pow2"``)."""
     return DEFAULT_SPLIT if bin(k).count("1") <= 2 else "pow2"
 
 
@@ -226,8 +231,8 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
     :func:`lowbit.kernels.reference.act_quant_outliers_reference` (``None``: no extra work).
 
     Variants (benchmark sweeps; every one meets the same accuracy contract), ``None`` = the defaults
-    :data:`DEFAULT_ROTATE_IMPL` and :data:`DEFAULT_SPLIT` (:data:`DEFAULT_PLAIN_SPLIT` without rotation;
-    ``"pow2"`` with outlier columns, which only that kernel writes):
+    :data:`DEFAULT_ROTATE_IMPL` and :func:`default_split` (``"pow2"`` with outlier columns, which only that
+    kernel writes):
 
     * ``rotate_impl``: ``"permute"`` (the original: one power of two per row, layout permutes around
       the ``P`` stage), ``"batched"`` (one power of two per 256-wide super-block, the ``P`` stage a

@@ -211,13 +211,24 @@ def _chunked_launch_shape(m: int, chunk: int, tile_elements: int, num_warps: int
     return block_m, num_warps, -(-m // block_m)
 
 
+# The pieces kernel's default warps (Session 44, an H100, tests/gpu/probe_act_quant_small_m.py, CUDA-graph time):
+# * programs of at most 4096 elements: 2, but 4 for rotated rows below TWO_WARPS_MIN_M rows (256 programs, about
+#   two an SM). Rotated, K = 3072: 5.4 / 8.8 / 15.8 us at M = 1024 / 2048 / 4096 against 5.9 / 9.4 / 17.2 with 4
+#   warps; without rotation 2.5 / 3.6 / 4.6 / 10.0 at M = 256 / 1024 / 2048 / 4096 against 2.6 / 3.9 / 5.5 / 11.0;
+# * wider programs: 4 rotated (K = 12288: 6.1 / 18.4 / 37.2 / 69.3 us at M = 256 / 1024 / 2048 / 4096 against
+#   6.2 / 19.4 / 41.6 / 77.0 with 8), 8 without rotation (3.8 / 10.3 / 26.5 / 52.1, 4 warps no faster).
+TWO_WARPS_MIN_M = 1024
+
+
 @functools.lru_cache(maxsize=1024)
-def _pieces_launch_shape(m: int, k: int, unit: int, tile_elements: int,
-                         num_warps: int | None) -> tuple[int, tuple[int, int, int, int], int, int]:
+def _pieces_launch_shape(m: int, k: int, unit: int, tile_elements: int, num_warps: int | None,
+                         rotate: bool = False) -> tuple[int, tuple[int, int, int, int], int, int]:
     """(BLOCK_M, the four piece widths (0: absent), num_warps, programs) of the pieces kernel.
 
     The row's ``ceil(k / unit)`` units are split into at most four powers of two, largest first,
     exactly when they have at most four set bits (3072 / 256 = 8 + 4), else the last piece is rounded up.
+    Default warps (measured, see :data:`TWO_WARPS_MIN_M`): programs of at most 4096 elements 2 (rotated rows
+    below :data:`TWO_WARPS_MIN_M` rows: 4), wider ones 4 rotated and 8 without rotation.
     """
     units, widths = -(-k // unit), []
     while units and len(widths) < 3:
@@ -230,7 +241,10 @@ def _pieces_launch_shape(m: int, k: int, unit: int, tile_elements: int,
     fit = tile_elements // row
     block_m = max(1, min(16, 1 << (fit.bit_length() - 1) if fit else 1, _pow2_at_least(m)))
     if num_warps is None:
-        num_warps = 4 if block_m * row <= 4096 else 8
+        if block_m * row <= 4096:
+            num_warps = 4 if rotate and m < TWO_WARPS_MIN_M else 2
+        else:
+            num_warps = 4 if rotate else 8
     return block_m, tuple(widths), num_warps, -(-m // block_m)
 
 
@@ -256,7 +270,7 @@ def act_quant_split(x, out_dtype, qmax, rotation, group_size, smooth, center, pe
         launcher, widths, narrowest = _CHUNKED_LAUNCHER, dict(CHUNK=chunk), chunk
     else:
         unit = max(256 if rotate else 16, perm_block)
-        block_m, pieces, num_warps, programs = _pieces_launch_shape(m, k, unit, tile_elements, num_warps)
+        block_m, pieces, num_warps, programs = _pieces_launch_shape(m, k, unit, tile_elements, num_warps, rotate)
         launcher, widths = _PIECES_LAUNCHER, dict(zip(("W0", "W1", "W2", "W3"), pieces))
         narrowest = min(w for w in pieces if w)
     if rotate_impl == "dense" and rotate and block_m * narrowest < 4096:

@@ -243,8 +243,8 @@ def test_unsupported_variants_say_why():
 
 
 def test_defaults_pick_the_kernel_and_keep_outlier_columns_on_theirs(monkeypatch):
-    # what the lead flips after measuring: DEFAULT_ROTATE_IMPL / DEFAULT_SPLIT route rotated calls, plain calls
-    # follow DEFAULT_PLAIN_SPLIT, and FP8 outlier columns stay on the whole-row kernel whatever the defaults say
+    # what the lead flips after measuring: DEFAULT_ROTATE_IMPL / DEFAULT_SPLIT route rotated and plain calls of at
+    # most two pieces, and FP8 outlier columns stay on the whole-row kernel whatever the defaults say
     from lowbit.kernels import triton_act_quant as aq
     from lowbit.kernels import triton_act_quant_split as aq_split
     from lowbit.kernels.reference import act_quant_outliers_reference
@@ -257,7 +257,9 @@ def test_defaults_pick_the_kernel_and_keep_outlier_columns_on_theirs(monkeypatch
     assert aq_split._PIECES_LAUNCHER.slow_launches == pieces_before + 1
     _assert_int8_near(q, act_quant_reference(x, torch.int8, None, "regular", 256)[0])
     aq.act_quant_triton(x, torch.int8, 127.0, "none", 0, None, False)
-    assert aq._LAUNCHER.slow_launches == pow2_before + 1  # DEFAULT_PLAIN_SPLIT is still "pow2"
+    assert aq_split._PIECES_LAUNCHER.slow_launches == pieces_before + 2  # 768 = 512 + 256, no rotation
+    aq.act_quant_triton(randn(5, 1792, seed=5, dtype=torch.bfloat16), torch.int8, 127.0, "none", 0, None, False)
+    assert aq._LAUNCHER.slow_launches == pow2_before + 1  # three pieces: the padded row
     index = torch.tensor([3, 700], dtype=torch.int32)
     q, scale, _ = aq.act_quant_triton(x, FP8, 448.0, "none", 0, None, False, outlier_index=index)
     q_ref, scale_ref = act_quant_outliers_reference(x, index)
@@ -271,12 +273,47 @@ def test_default_path_is_the_measured_one(k, split):
     from lowbit.kernels import triton_act_quant
 
     assert triton_act_quant.default_split(k, rotate=True) == split
-    assert triton_act_quant.default_split(k, rotate=False) == triton_act_quant.DEFAULT_PLAIN_SPLIT
+    assert triton_act_quant.default_split(k, rotate=False) == split
     x = randn(9, k, seed=3, scale=2, dtype=torch.bfloat16)
     default = _triton(x, torch.int8, "regular", 256, variant=(None, None, 0, None))
     explicit = _triton(x, torch.int8, "regular", 256, variant=(triton_act_quant.DEFAULT_ROTATE_IMPL, split, 0, None))
     assert all(torch.equal(a, b) for a, b in zip(default, explicit))
     _assert_int8_near(default[0], act_quant_reference(x, torch.int8, None, "regular", 256)[0])
+
+
+@pytest.mark.parametrize("k,split", [(12288, "pieces"), (8192 + 16, "pieces"), (15360, "pow2"), (3072, "pieces"),
+                                     (1024 + 512 + 16, "pow2")])
+def test_plain_rows_of_two_pieces_go_unpadded_and_keep_the_padded_kernels_codes(k, split):
+    # rows without rotation of at most two power-of-two pieces, unpadded (measured faster at K = 3072 and 12288 for
+    # M = 256..4096); the same codes and scales as the padded row, bit for bit
+    from lowbit.kernels import triton_act_quant as aq
+    from lowbit.kernels import triton_act_quant_split as aq_split
+
+    assert aq.default_split(k, rotate=False) == split
+    x = randn(3, k, seed=k, scale=2, dtype=torch.bfloat16)
+    x[1, k // 5] = -70.0
+    for dtype, qmax in ((torch.int8, 127.0), (FP8, 448.0)):
+        pieces_before = aq_split._PIECES_LAUNCHER.slow_launches
+        q, scale, _ = aq.act_quant_triton(x, dtype, qmax, "none", 0, None, False, out=_poison(3, k, dtype))
+        assert aq_split._PIECES_LAUNCHER.slow_launches == pieces_before + (split == "pieces")
+        q_pad, scale_pad, _ = aq.act_quant_triton(x, dtype, qmax, "none", 0, None, False, split="pow2")
+        assert torch.equal(q.view(torch.int8), q_pad.view(torch.int8)) and torch.equal(scale, scale_pad)
+
+
+def test_pieces_warps_follow_the_measured_rule():
+    # measured on an H100 (docs/kernels.md, Session 44): programs of at most 4096 elements 2 warps (rotated rows
+    # below 1024 rows: 4), wider programs 4 rotated and 8 without rotation; an explicit count wins
+    from lowbit.kernels.triton_act_quant_split import TWO_WARPS_MIN_M, _pieces_launch_shape
+
+    assert TWO_WARPS_MIN_M == 1024
+    assert _pieces_launch_shape(1024, 3072, 256, 4096, None, True)[2] == 2
+    assert _pieces_launch_shape(1023, 3072, 256, 4096, None, True)[2] == 4
+    assert _pieces_launch_shape(256, 3072, 16, 4096, None, False)[2] == 2
+    assert _pieces_launch_shape(256, 12288, 256, 4096, None, True)[2] == 4
+    assert _pieces_launch_shape(4608, 12288, 256, 4096, None, True)[2] == 4
+    assert _pieces_launch_shape(1024, 12288, 16, 4096, None, False)[2] == 8
+    assert _pieces_launch_shape(9, 768, 256, 4096, None, False)[:3] == (4, (512, 256, 0, 0), 2)  # 4 rows of 768
+    assert _pieces_launch_shape(1024, 3072, 256, 4096, 8, True)[2] == 8
 
 
 def test_gpu_benchmark_script_runs_in_the_interpreter(tmp_path):
