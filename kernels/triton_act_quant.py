@@ -75,7 +75,7 @@ ROW_SPLITS = ("pow2", "pieces", "chunks")  # how a program holds its rows (see a
 # on an H200 (tests/gpu/bench_act_quant.py). Rows without rotation since Session 44, on an H100
 # (tests/gpu/probe_act_quant_small_m.py, CUDA-graph time, input warm in L2): the pieces at the default warps
 # (triton_act_quant_split._pieces_launch_shape) took 2.5 / 3.6 / 4.6 / 10.0 us at K = 3072 and M = 256 / 1024 /
-# 2048 / 4096 against 2.6 / 4.1 / 6.0 / 11.5 for the padded row, and 3.8 / 10.3 / 26.5 / 52.1 against 4.4 / 14.1 /
+# 2048 / 4096 against 2.6 / 4.1 / 6.0 / 11.7 for the padded row, and 3.8 / 10.3 / 26.5 / 52.1 against 4.4 / 14.1 /
 # 30.3 / 55.6 at K = 12288. (At M = 4096, K = 3072 on an H200 with the input read from memory, Session 10's pieces at
 # 4 warps were 5 % slower than the padded row.)
 DEFAULT_SPLIT = "pieces"
