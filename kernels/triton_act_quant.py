@@ -81,7 +81,7 @@ ROW_SPLITS = ("pow2", "pieces", "chunks")  # how a program holds its rows (see a
 DEFAULT_SPLIT = "pieces"
 
 
-def default_split(k: int, rotate: bool) -> str:
+def default_split(k: int) -> str:
     """The row split used when none is asked for: :data:`DEFAULT_SPLIT` for rows of at most two power-of-two
     pieces, rotated or not, else the padded row (``"pow2"``)."""
     return DEFAULT_SPLIT if bin(k).count("1") <= 2 else "pow2"
@@ -262,7 +262,7 @@ def act_quant_triton(x: torch.Tensor, out_dtype: torch.dtype, qmax: float, rotat
         tile_elements = TILE_ELEMENTS // 2
     rotate_impl = DEFAULT_ROTATE_IMPL if rotate_impl is None else rotate_impl
     if split is None:
-        split = "pow2" if outlier_index is not None else default_split(k, rotate)
+        split = "pow2" if outlier_index is not None else default_split(k)
     if rotate_impl != "permute" or split != "pow2":
         _check_variant(rotate_impl, split, chunk, rotate, perm_block, outlier_index is not None)
     if split != "pow2":

@@ -222,7 +222,7 @@ TWO_WARPS_MIN_M = 1024
 
 @functools.lru_cache(maxsize=1024)
 def _pieces_launch_shape(m: int, k: int, unit: int, tile_elements: int, num_warps: int | None,
-                         rotate: bool = False) -> tuple[int, tuple[int, int, int, int], int, int]:
+                         rotate: bool) -> tuple[int, tuple[int, int, int, int], int, int]:
     """(BLOCK_M, the four piece widths (0: absent), num_warps, programs) of the pieces kernel.
 
     The row's ``ceil(k / unit)`` units are split into at most four powers of two, largest first,

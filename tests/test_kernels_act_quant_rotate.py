@@ -123,7 +123,7 @@ def test_pieces_with_a_rounded_up_last_piece(impl):
     from lowbit.kernels.triton_act_quant_split import _pieces_launch_shape
 
     m, k = 3, 31 * 256 - 64  # and the last group of 64 is beyond K too
-    assert _pieces_launch_shape(m, k, 256, 4096, None)[1] == (4096, 2048, 1024, 1024)
+    assert _pieces_launch_shape(m, k, 256, 4096, None, True)[1] == (4096, 2048, 1024, 1024)
     x = randn(m, k, seed=29, scale=2, dtype=torch.bfloat16)
     q, scale, _ = _triton(x, torch.int8, "regular", 64, out=_poison(m, k, torch.int8), variant=(impl, "pieces", 0, None))
     q_ref, scale_ref, _ = act_quant_reference(x, torch.int8, None, "regular", 64)
@@ -272,8 +272,7 @@ def test_default_path_is_the_measured_one(k, split):
     # power-of-two pieces unpadded ("pieces"), wider ones (3+ pieces: slower there) padded ("pow2")
     from lowbit.kernels import triton_act_quant
 
-    assert triton_act_quant.default_split(k, rotate=True) == split
-    assert triton_act_quant.default_split(k, rotate=False) == split
+    assert triton_act_quant.default_split(k) == split  # rotated or not
     x = randn(9, k, seed=3, scale=2, dtype=torch.bfloat16)
     default = _triton(x, torch.int8, "regular", 256, variant=(None, None, 0, None))
     explicit = _triton(x, torch.int8, "regular", 256, variant=(triton_act_quant.DEFAULT_ROTATE_IMPL, split, 0, None))
@@ -289,7 +288,7 @@ def test_plain_rows_of_two_pieces_go_unpadded_and_keep_the_padded_kernels_codes(
     from lowbit.kernels import triton_act_quant as aq
     from lowbit.kernels import triton_act_quant_split as aq_split
 
-    assert aq.default_split(k, rotate=False) == split
+    assert aq.default_split(k) == split
     x = randn(3, k, seed=k, scale=2, dtype=torch.bfloat16)
     x[1, k // 5] = -70.0
     for dtype, qmax in ((torch.int8, 127.0), (FP8, 448.0)):
