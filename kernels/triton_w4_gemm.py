@@ -29,6 +29,10 @@ Two decodes:
   order); the group scale byte is read once per group. The first call of each compiled variant also
   runs the interpreter's form (byte gathers) and compares the outputs bit for bit, since the PTX
   assumes Triton hands it 4 consecutive bytes of one row (``_check_ptx_codebook``).
+  ``table_words=True`` (opt-in, measured by ``tests/gpu/sweep_small_m_gemm.py --kinds w4cb,w4cbw``): Triton loads
+  each group's table row as four words (two 8-byte loads, which the software pipeline may stage ahead of the K
+  step) and the PTX block only picks the levels. With one 16-byte load a row, staged past L1, it ran 4-32x
+  slower on an H100 (Session 45, ``docs/kernels.md``).
 
 ``SWAP_AB`` computes the transposed tile (the decoded weight as the left operand, which Hopper's
 ``wgmma`` can take from registers) and stores it transposed; the dispatcher measures both.
