@@ -111,6 +111,14 @@ def _per_byte(t, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexp
 
 
 @triton.jit
+def _scale_bytes(s_ptr, rows_b, k_byte0, stride_sn, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """``[BLOCK_N, GROUPS]``: the K step's group scale bytes (raw FP8 bytes), zero-extended to int32."""
+    g = tl.arange(0, GROUPS)
+    s_off = rows_b[:, None].to(tl.int64) * stride_sn + (k_byte0 * 2) // GROUP + g[None, :]
+    return tl.load(s_ptr + s_off).to(tl.int32) & 0xFF
+
+
+@triton.jit
 def _pick_level(code, t0, t1, t2, t3):
     """Level ``code`` (0-15) of a table row held as 4 little-endian words, as int8."""
     word = tl.where(code < 8, tl.where(code < 4, t0, t1), tl.where(code < 12, t2, t3))
@@ -127,9 +135,7 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
         # The group's 16 levels as 4 words, loaded by Triton (a gather indexed by the group's scale byte, which the
         # software pipeline stages in shared memory ahead of the K step that uses it), then picked in registers.
         GROUPS: tl.constexpr = 2 * HALF // GROUP
-        g = tl.arange(0, GROUPS)
-        s_off = rows_b[:, None].to(tl.int64) * stride_sn + (k_byte0 * 2) // GROUP + g[None, :]
-        s_word = tl.load(s_ptr + s_off).to(tl.int32) & 0xFF
+        s_word = _scale_bytes(s_ptr, rows_b, k_byte0, stride_sn, GROUPS, GROUP)
         # two 8-byte loads a row, not one of 16: the pipeline stages 16-byte copies past L1 (cp.async.cg), and every
         # program gathering from the same 4 KiB in L2 every K step is slow; 8-byte copies stay in L1 (cp.async.ca)
         row = table_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + s_word * 2
@@ -159,20 +165,16 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
         # 32-bit register are consecutive along K and share a group (groups are 8-byte aligned runs);
         # the launcher checks this layout assumption once per variant (``_check_ptx_codebook``).
         GROUPS: tl.constexpr = 2 * HALF // GROUP
-        g = tl.arange(0, GROUPS)
-        s_off = rows_b[:, None].to(tl.int64) * stride_sn + (k_byte0 * 2) // GROUP + g[None, :]
-        # [BLOCK_N, GROUPS], the raw FP8 bytes zero-extended: a 32-bit operand each, so nothing packs
-        # four copies of a byte into one register for the assembly
-        s_word = tl.load(s_ptr + s_off).to(tl.int32) & 0xFF
+        # zero-extended: a 32-bit operand each, so nothing packs four copies of a byte into one register for the
+        # assembly
+        s_word = _scale_bytes(s_ptr, rows_b, k_byte0, stride_sn, GROUPS, GROUP)
         s_elem = tl.reshape(tl.broadcast_to(s_word[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)), (BLOCK_N, HALF))
         table = tl.full((BLOCK_N, HALF), 0, tl.int64) + table_ptr.to(tl.int64)
         low, high = tl.inline_asm_elementwise(_CODEBOOK_PTX, "=r,=r,r,r,r,r,r,l,l,l,l", [packed, s_elem, table],
                                               dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
     elif CODEBOOK:
         GROUPS: tl.constexpr = 2 * HALF // GROUP
-        g = tl.arange(0, GROUPS)
-        s_off = rows_b[:, None].to(tl.int64) * stride_sn + (k_byte0 * 2) // GROUP + g[None, :]
-        s_byte = tl.load(s_ptr + s_off).to(tl.int32) & 0xFF  # [BLOCK_N, GROUPS]
+        s_byte = _scale_bytes(s_ptr, rows_b, k_byte0, stride_sn, GROUPS, GROUP)
         base = tl.reshape(tl.broadcast_to((s_byte * 16)[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)),
                           (BLOCK_N, HALF))
         # The codes in column order (a word's nibbles 0..7), then each word's first 4 and last 4.
