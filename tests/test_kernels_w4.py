@@ -289,8 +289,8 @@ def test_codebook_ptx_decode_picks_the_table_levels(seed):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_codebook_words_ptx_decode_picks_the_table_levels(seed):
     """The inline PTX of the ``table_words`` codebook decode, whose table row arrives as four words (loaded by
-    Triton, which the pipeline may stage), executed with PTX semantics: the two output words are the row's levels of the packed
-    word's nibbles 0-3 and 4-7, in column order."""
+    Triton, which the pipeline may stage), executed with PTX semantics: the two output words are the row's levels
+    of the packed word's nibbles 0-3 and 4-7, in column order."""
     from lowbit.kernels.triton_w4_gemm import _CODEBOOK_WORDS_PTX
 
     gen = torch.Generator().manual_seed(seed)
