@@ -168,15 +168,14 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
         # zero-extended: a 32-bit operand each, so nothing packs four copies of a byte into one register for the
         # assembly
         s_word = _scale_bytes(s_ptr, rows_b, k_byte0, stride_sn, GROUPS, GROUP)
-        s_elem = tl.reshape(tl.broadcast_to(s_word[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)), (BLOCK_N, HALF))
         table = tl.full((BLOCK_N, HALF), 0, tl.int64) + table_ptr.to(tl.int64)
-        low, high = tl.inline_asm_elementwise(_CODEBOOK_PTX, "=r,=r,r,r,r,r,r,l,l,l,l", [packed, s_elem, table],
+        low, high = tl.inline_asm_elementwise(_CODEBOOK_PTX, "=r,=r,r,r,r,r,r,l,l,l,l",
+                                              [packed, _per_byte(s_word, BLOCK_N, GROUPS, GROUP), table],
                                               dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
     elif CODEBOOK:
         GROUPS: tl.constexpr = 2 * HALF // GROUP
         s_byte = _scale_bytes(s_ptr, rows_b, k_byte0, stride_sn, GROUPS, GROUP)
-        base = tl.reshape(tl.broadcast_to((s_byte * 16)[:, :, None], (BLOCK_N, GROUPS, GROUP // 2)),
-                          (BLOCK_N, HALF))
+        base = _per_byte(s_byte * 16, BLOCK_N, GROUPS, GROUP)
         # The codes in column order (a word's nibbles 0..7), then each word's first 4 and last 4.
         byte = packed.to(tl.int32) & 0xFF
         codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_N, HALF // 4, 2, 4))
