@@ -43,7 +43,7 @@ def _expand_tile(w, s_ptr, table_ptr, out, N, off_n, off_k, stride_wn, stride_sn
     offs_h = tl.arange(0, HALF)
     packed = tl.load(w + rows[:, None].to(tl.int64) * stride_wn + k_byte0 + offs_h[None, :])
     low, high = _decode_w4(packed, s_ptr, table_ptr, rows, k_byte0, stride_sn, CODEBOOK, GROUP, USE_PTX,
-                           BLOCK_N, HALF, False)
+                           BLOCK_N, HALF)
     if CODEBOOK:  # the planes hold the first and last 4 columns of every 8 (``ops.plane_run``)
         pairs = tl.join(tl.reshape(low, (BLOCK_N, HALF // 4, 4)), tl.reshape(high, (BLOCK_N, HALF // 4, 4)))
         levels = tl.reshape(tl.permute(pairs, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))

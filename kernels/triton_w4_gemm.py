@@ -29,10 +29,6 @@ Two decodes:
   order); the group scale byte is read once per group. The first call of each compiled variant also
   runs the interpreter's form (byte gathers) and compares the outputs bit for bit, since the PTX
   assumes Triton hands it 4 consecutive bytes of one row (``_check_ptx_codebook``).
-  ``table_words=True`` (opt-in, measured by ``tests/gpu/sweep_small_m_gemm.py --kinds w4cb,w4cbw``): Triton loads
-  each group's table row as four words (two 8-byte loads, which the software pipeline may stage ahead of the K
-  step) and the PTX block only picks the levels. With one 16-byte load a row, staged past L1, it ran 4-32x
-  slower on an H100 (Session 45, ``docs/kernels.md``).
 
 ``SWAP_AB`` computes the transposed tile (the decoded weight as the left operand, which Hopper's
 ``wgmma`` can take from registers) and stores it transposed; the dispatcher measures both.
@@ -96,14 +92,6 @@ _CODEBOOK_PTX = tl.constexpr(
     "lop3.b32 $0, a, b, ma, 0xD8; lop3.b32 $1, c, d, mb, 0xD8; }")
 
 
-_CODEBOOK_WORDS_PTX = tl.constexpr(
-    "{ .reg .b32 sa, sb, v, a, b, c, d, ma, mb; "
-    "and.b32 sa, $2, 0x7777; shr.u32 sb, $2, 16; and.b32 sb, sb, 0x7777; shl.b32 v, $2, 4; "
-    "prmt.b32 ma, $2, v, 0x9D8C; prmt.b32 mb, $2, v, 0xBFAE; "
-    "prmt.b32 a, $3, $7, sa; prmt.b32 b, $11, $15, sa; prmt.b32 c, $3, $7, sb; prmt.b32 d, $11, $15, sb; "
-    "lop3.b32 $0, a, b, ma, 0xD8; lop3.b32 $1, c, d, mb, 0xD8; }")
-
-
 @triton.jit
 def _per_byte(t, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
     """``[BLOCK_N, GROUPS]`` → ``[BLOCK_N, GROUPS * GROUP / 2]``: each group's value at each of its packed bytes."""
@@ -119,47 +107,11 @@ def _scale_bytes(s_ptr, rows_b, k_byte0, stride_sn, GROUPS: tl.constexpr, GROUP:
 
 
 @triton.jit
-def _pick_level(code, t0, t1, t2, t3):
-    """Level ``code`` (0-15) of a table row held as 4 little-endian words, as int8."""
-    word = tl.where(code < 8, tl.where(code < 4, t0, t1), tl.where(code < 12, t2, t3))
-    level = (word >> ((code & 3) * 8)) & 0xFF
-    return (level - ((level & 0x80) << 1)).to(tl.int8)
-
-
-@triton.jit
 def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
                CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr,
-               BLOCK_N: tl.constexpr, HALF: tl.constexpr, TABLE_WORDS: tl.constexpr):
+               BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     """``[BLOCK_N, HALF]`` packed bytes → (low-nibble plane, high-nibble plane), int8 each."""
-    if CODEBOOK and TABLE_WORDS:
-        # The group's 16 levels as 4 words, loaded by Triton (a gather indexed by the group's scale byte, which the
-        # software pipeline stages in shared memory ahead of the K step that uses it), then picked in registers.
-        GROUPS: tl.constexpr = 2 * HALF // GROUP
-        s_word = _scale_bytes(s_ptr, rows_b, k_byte0, stride_sn, GROUPS, GROUP)
-        # two 8-byte loads a row, not one of 16: the pipeline stages 16-byte copies past L1 (cp.async.cg), and every
-        # program gathering from the same 4 KiB in L2 every K step is slow; 8-byte copies stay in L1 (cp.async.ca)
-        row = table_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + s_word * 2
-        w01 = tl.load(row)
-        w23 = tl.load(row + 1)
-        t0 = (w01 & 0xFFFFFFFF).to(tl.int32)
-        t1 = (w01 >> 32).to(tl.int32)
-        t2 = (w23 & 0xFFFFFFFF).to(tl.int32)
-        t3 = (w23 >> 32).to(tl.int32)
-        t0 = _per_byte(t0, BLOCK_N, GROUPS, GROUP)
-        t1 = _per_byte(t1, BLOCK_N, GROUPS, GROUP)
-        t2 = _per_byte(t2, BLOCK_N, GROUPS, GROUP)
-        t3 = _per_byte(t3, BLOCK_N, GROUPS, GROUP)
-        if USE_PTX:
-            low, high = tl.inline_asm_elementwise(_CODEBOOK_WORDS_PTX, "=r,=r,r" + ",r" * 16,
-                                                  [packed, t0, t1, t2, t3], dtype=(tl.int8, tl.int8), is_pure=True,
-                                                  pack=4)
-        else:  # the interpreter: the same words, picked with shifts; then the gathers' column order
-            byte = packed.to(tl.int32) & 0xFF
-            levels = tl.join(_pick_level(byte & 0xF, t0, t1, t2, t3), _pick_level(byte >> 4, t0, t1, t2, t3))
-            first, last = tl.split(tl.permute(tl.reshape(levels, (BLOCK_N, HALF // 4, 2, 4)), (0, 1, 3, 2)))
-            low = tl.reshape(first, (BLOCK_N, HALF))
-            high = tl.reshape(last, (BLOCK_N, HALF))
-    elif CODEBOOK and USE_PTX:
+    if CODEBOOK and USE_PTX:
         # The group's 16 levels (table row s: 16 bytes) come in one vector load per 4 packed bytes, and
         # a byte permute (PRMT) picks each code's level from them in registers. pack=4: the 4 bytes of a
         # 32-bit register are consecutive along K and share a group (groups are 8-byte aligned runs);
@@ -205,8 +157,7 @@ def _decode_w4(packed, s_ptr, table_ptr, rows_b, k_byte0, stride_sn,
 def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride_am, stride_wn, stride_sn,
              CODEBOOK: tl.constexpr, GROUP: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
              TMA_A: tl.constexpr, TMA_W: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOIN: tl.constexpr,
-             TABLE_WORDS: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOIN: tl.constexpr):
     """The int32 ``[BLOCK_M, BLOCK_N]`` product tile at ``(off_m, off_n)``, over the K tiles
     ``[k_first, k_last)`` (K is a multiple of ``BLOCK_K``: checked by the launcher).
 
@@ -252,7 +203,7 @@ def _w4_tile(a, w, s_ptr, table_ptr, off_m, off_n, M, N, k_first, k_last, stride
             packed = tl.load(w_ptrs)
             w_ptrs += HALF
         low, high = _decode_w4(packed, s_ptr, table_ptr, rows_b, k * HALF, stride_sn,
-                               CODEBOOK, GROUP, USE_PTX, BLOCK_N, HALF, TABLE_WORDS)
+                               CODEBOOK, GROUP, USE_PTX, BLOCK_N, HALF)
         if JOIN:
             # the two planes side by side: the tile's first and second halves of K, as the activation's columns are
             w_tile = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_N, BLOCK_K))
@@ -313,7 +264,7 @@ def _w4a8_mm_kernel(
     SWAP_AB: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr, SUBTILE: tl.constexpr,
     PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, JOIN: tl.constexpr,
-    STREAM_K: tl.constexpr, TABLE_WORDS: tl.constexpr,
+    STREAM_K: tl.constexpr,
 ):
     """One output tile a program, or (``PERSISTENT``) a grid of at most one program per SM walking the
     tiles in the same grouped order; with ``flatten`` the pipeliner overlaps a tile's epilogue with the
@@ -339,7 +290,7 @@ def _w4a8_mm_kernel(
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, k_first, k_last,
                            stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W,
-                           BLOCK_M, BLOCK_N, BLOCK_K, JOIN, TABLE_WORDS)
+                           BLOCK_M, BLOCK_N, BLOCK_K, JOIN)
             whole = (k_first == 0) & (k_last == k_tiles)
             if (k_first != 0) | (k_last != k_tiles):
                 acc, whole = _stream_k_total(acc, ws_ptr, lock_ptr, tile, k_last - k_first, k_tiles, total,
@@ -355,7 +306,7 @@ def _w4a8_mm_kernel(
             pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
             acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, 0, K // BLOCK_K,
                            stride_am, stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W,
-                           BLOCK_M, BLOCK_N, BLOCK_K, JOIN, TABLE_WORDS)
+                           BLOCK_M, BLOCK_N, BLOCK_K, JOIN)
             _w4_store(acc, c, a_scale_ptr, w_scale_ptr, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm,
                       HAS_BIAS, TMA_STORE, SUBTILE, BLOCK_M, BLOCK_N)
     else:
@@ -367,7 +318,7 @@ def _w4a8_mm_kernel(
             k_last = tl.minimum(k_last, k_first + K_TILES_PER_SPLIT)
         acc = _w4_tile(a, w, s_ptr, table_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, k_first, k_last, stride_am,
                        stride_wn, stride_sn, CODEBOOK, GROUP, USE_PTX, SWAP_AB, TMA_A, TMA_W, BLOCK_M, BLOCK_N,
-                       BLOCK_K, JOIN, TABLE_WORDS)
+                       BLOCK_K, JOIN)
         if SPLIT_K > 1:
             acc, last = _split_k_total(acc, ws_ptr, lock_ptr, tl.program_id(0), tl.program_id(1), SPLIT_K,
                                        BLOCK_M, BLOCK_N)
@@ -421,8 +372,7 @@ def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None, s_rel: torch.Tensor | None, table: torch.Tensor | None,
                    group_size: int, out_dtype: torch.dtype, config: GemmConfig,
-                   out: torch.Tensor | None = None, ptx: bool | None = None,
-                   table_words: bool = False) -> torch.Tensor:
+                   out: torch.Tensor | None = None, ptx: bool | None = None) -> torch.Tensor:
     """Launch :func:`_w4a8_mm_kernel`. ``a``'s columns must be permuted in blocks of ``config.block_k``
     in runs of ``ops.plane_run(codebook)`` (``ops.permute_columns(a, config.block_k, ops.plane_run(codebook))``).
     ``s_rel``/``table`` given ⇒ codebook decode (a group size that is a multiple of 8), else signed nibbles.
@@ -470,13 +420,12 @@ def w4a8_mm_triton(a: torch.Tensor, packed: torch.Tensor, a_scale: torch.Tensor,
     grid = (programs, splits)
     constexprs = kernel_constexprs(config, codebook=codebook, group_size=group_size, has_bias=bias is not None,
                                    use_ptx=_use_ptx(a) if ptx is None else ptx, tma_a=tma_a, tma_w=tma_w,
-                                   tma_store=tma_store, splits=splits, stream_k=stream_k, table_words=table_words)
+                                   tma_store=tma_store, splits=splits, stream_k=stream_k)
     args = (a_arg, w_arg, c_arg, a_scale, w_scale, bias if bias is not None else a_scale,
             s_rel.view(torch.uint8) if codebook else packed, table if codebook else packed, ws, locks,
             m, n, k, a.stride(0), packed.stride(0), s_rel.stride(0) if codebook else 0, out.stride(0), per_split)
     if ptx is None and codebook and constexprs["USE_PTX"]:
-        key = (a.device.index, config.name, out_dtype, tma_a, tma_w, tma_store, bias is not None, group_size,
-               constexprs["TABLE_WORDS"])
+        key = (a.device.index, config.name, out_dtype, tma_a, tma_w, tma_store, bias is not None, group_size)
         verdict = _ptx_checked.get(key)
         if verdict is None and not torch.cuda.is_current_stream_capturing():
             _check_ptx_codebook(args, constexprs, config, grid, out, key)
@@ -500,7 +449,7 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, grid:
     buffer; keep the verdict under ``key`` (what selects the compiled variant: device, config, output
     dtype, the TMA flags, bias, group size). ``args[2]`` (the output or its TMA descriptor) is rebuilt
     for the second run."""
-    gathers = dict(constexprs, USE_PTX=False, TABLE_WORDS=False)
+    gathers = dict(constexprs, USE_PTX=False)
     _LAUNCHER.launch(grid, args, gathers, num_warps=config.num_warps, num_stages=config.num_stages)
     trial = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
     c_arg = trial
@@ -517,15 +466,14 @@ def _check_ptx_codebook(args: tuple, constexprs: dict, config: GemmConfig, grid:
 
 
 def kernel_constexprs(config: GemmConfig, *, codebook: bool, group_size: int, has_bias: bool, use_ptx: bool,
-                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1, stream_k: bool = False,
-                      table_words: bool = False) -> dict:
+                      tma_a: bool, tma_w: bool, tma_store: bool, splits: int = 1, stream_k: bool = False) -> dict:
     """The constexpr arguments of :func:`_w4a8_mm_kernel`, in parameter order, for one variant
     (also what an offline compile of the variant needs: ``tests/gpu/sweep_w4_gemm.py --compile-only``)."""
     return dict(CODEBOOK=codebook, GROUP=group_size if codebook else 16, HAS_BIAS=has_bias, USE_PTX=use_ptx,
                 SWAP_AB=config.swap_ab, TMA_A=tma_a, TMA_W=tma_w, TMA_STORE=tma_store,
                 SUBTILE=tma_store and config.subtile, PERSISTENT=config.persistent, SPLIT_K=splits,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                JOIN=config.join, STREAM_K=stream_k, TABLE_WORDS=codebook and table_words)
+                JOIN=config.join, STREAM_K=stream_k)
 
 
 _LAUNCHER = TritonLauncher(_w4a8_mm_kernel)

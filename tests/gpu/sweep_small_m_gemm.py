@@ -32,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--m", default="256", help="comma-separated token counts")
     p.add_argument("--rep-ms", type=int, default=40)
-    p.add_argument("--kinds", default="int8,w4,w4cb",
-                   help="comma-separated subset of int8, w4, w4cb, w4cbw (w4cbw: the codebook decode with its table "
-                        "rows loaded by Triton as words, which the pipeline stages, instead of inside the assembly)")
+    p.add_argument("--kinds", default="int8,w4,w4cb", help="comma-separated subset of int8, w4, w4cb")
     p.add_argument("--shapes", default="issue", choices=sorted(SHAPES))
     p.add_argument("--extra", default="", help="comma-separated config names measured besides the candidates")
     p.add_argument("--also-join", action="store_true",
@@ -89,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             if "int8" in kinds:
                 jobs += [("int8", c, lambda c=c: w8a8_mm_triton(a, b8, sa, sb, bias, None, None, torch.bfloat16, c))
                          for c in dict.fromkeys([*w8a8_candidates(cap, m), *extra])]
-            for kind, codebook, words in (("w4", False, False), ("w4cb", True, False), ("w4cbw", True, True)):
+            for kind, codebook in (("w4", False), ("w4cb", True)):
                 if kind in kinds:
                     operands = (s_rel, table) if codebook else (None, None)
-                    jobs += [(kind, c, lambda c=c, operands=operands, words=words: w4a8_mm_triton(
-                                a, packed, sa, sb, bias, *operands, 16, torch.bfloat16, c, table_words=words))
+                    jobs += [(kind, c, lambda c=c, operands=operands: w4a8_mm_triton(
+                                a, packed, sa, sb, bias, *operands, 16, torch.bfloat16, c))
                              for c in w4_configs(w4_candidates(cap, m, codebook=codebook) + extra)]
             reference = {}
             for kind, config, fn in jobs:
@@ -101,11 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     outs = [fn() for _ in range(5)]
                     one_dot = config.split_k == 1 and not config.join and not config.stream_k
-                    ref_kind = "w4cb" if kind == "w4cbw" else kind  # both codebook forms give the same bits
-                    ref = reference.setdefault((ref_kind, config.block_k), outs[0] if one_dot else None)
+                    ref = reference.setdefault((kind, config.block_k), outs[0] if one_dot else None)
                     same = all(torch.equal(o, outs[0]) for o in outs)
-                    # split-K, stream-K, joined planes, the other codebook form: the plain config's bits
-                    if ref is not None and (not one_dot or kind != ref_kind):
+                    if ref is not None and not one_dot:  # split-K, stream-K, joined planes: the plain config's bits
                         same = same and torch.equal(outs[0], ref)
                     if not same:
                         failures.append(f"m={m} n={n} k={k} {name}: outputs differ")
