@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from lowbit.kernels.backend import capability
     from lowbit.kernels.gemm_config import GemmConfig, w4_candidates, w8a8_candidates
     from lowbit.kernels.reference import FP8, w4a8_level_table
-    from lowbit.kernels.triton_w4_gemm import w4a8_mm_triton
+    from lowbit.kernels.triton_w4_gemm import _ptx_checked, w4a8_mm_triton
     from lowbit.kernels.triton_w8a8_gemm import w8a8_mm_triton
 
     device = torch.device("cuda")
@@ -131,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
                     summary[f"m={m} {kind} {label}"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
     for key, value in summary.items():
         print(f"geomean vs bf16, {key}: {value:.3f}x")
-    from lowbit.kernels.triton_w4_gemm import _ptx_checked
-
     failures += [f"the PTX codebook decode disagreed with the gathers (the gathers were timed): {key}"
                  for key, verdict in _ptx_checked.items() if not verdict]
     for line in failures:
